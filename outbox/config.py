@@ -1,0 +1,183 @@
+"""Settings shared by the producer API and the daemon.
+
+Read from ``OUTBOX_*`` environment variables, optionally layered over a TOML file, so a
+seller's app and ``outboxd`` configured from the same environment agree on the database,
+the retry horizon and the destination policy.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from outbox.errors import ConfigurationError
+
+ENV_PREFIX = "OUTBOX_"
+MIN_HORIZON = 86_400  # adcp-webhooks.md §4.1: delivery_retry_horizon_seconds 86400..604800
+MAX_HORIZON = 604_800
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every knob of the product, with the defaults a demanding operator expects."""
+
+    database_url: str = "sqlite:///outbox.db"
+    signing_key_file: str | None = None
+    signing_key_id: str | None = None
+    # tenant id -> (key file, key id): a tenant may sign with its own key (TOML only).
+    tenant_signing_keys: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    retry_horizon_seconds: int = MIN_HORIZON
+    metrics_addr: str | None = None
+    allow_http: bool = False
+    allowed_cidrs: tuple[Network, ...] = ()
+    encryption_key: bytes | None = None  # AES-256-GCM key for legacy credentials at rest
+    concurrency: int = 64  # requests in flight per daemon process
+    endpoint_concurrency: int = 8  # requests in flight per endpoint origin
+    claim_batch: int = 50
+    connect_timeout_seconds: float = 10.0
+    read_timeout_seconds: float = 10.0
+    lease_seconds: float = 30.0
+    poll_interval_seconds: float = 1.0
+    shutdown_grace_seconds: float = 15.0
+    database_outage_seconds: float = 60.0
+    retry_base_seconds: float = 2.0
+    retry_max_seconds: float = 3600.0
+    retry_after_cap_seconds: float = 3600.0
+    breaker_failure_threshold: int = 5
+    breaker_success_threshold: int = 2
+    breaker_open_seconds: float = 60.0
+    breaker_max_open_seconds: float = 3600.0
+    sinks: tuple[str, ...] = ()
+    sink_timeout_seconds: float = 5.0
+    per_tenant_metrics: bool = False
+    log_format: str = "auto"  # auto | json | console
+
+    def __post_init__(self) -> None:
+        if not MIN_HORIZON <= self.retry_horizon_seconds <= MAX_HORIZON:
+            raise ConfigurationError(
+                f"OUTBOX_RETRY_HORIZON_SECONDS must be within {MIN_HORIZON}..{MAX_HORIZON} "
+                f"(AdCP delivery_retry_horizon_seconds), got {self.retry_horizon_seconds}"
+            )
+        if self.lease_seconds <= self.connect_timeout_seconds + self.read_timeout_seconds:
+            raise ConfigurationError(
+                "OUTBOX_LEASE_SECONDS must exceed connect + read timeout, or a slow request "
+                "could outlive its lease and be sent twice at once"
+            )
+        for name in ("concurrency", "endpoint_concurrency", "claim_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"OUTBOX_{name.upper()} must be at least 1")
+        if self.log_format not in ("auto", "json", "console"):
+            raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
+
+    def is_allowed_private(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        """Whether ``address`` sits in a network the operator exempted from the SSRF block."""
+        return any(address.version == net.version and address in net for net in self.allowed_cidrs)
+
+
+def _parse_bool(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    value = str(raw).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigurationError(f"{ENV_PREFIX}{name.upper()} must be true or false, got {raw!r}")
+
+
+def _parse_cidrs(raw: Any) -> tuple[Network, ...]:
+    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+    networks = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError as exc:
+            raise ConfigurationError(f"OUTBOX_ALLOWED_CIDRS: {item!r} is not a network ({exc})") from None
+    return tuple(networks)
+
+
+def _parse_encryption_key(raw: Any) -> bytes:
+    try:
+        key = base64.b64decode(str(raw), validate=True)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ConfigurationError(
+            "OUTBOX_ENCRYPTION_KEY must be 32 bytes in base64 (e.g. `python -c "
+            "'import os,base64;print(base64.b64encode(os.urandom(32)).decode())'`)"
+        )
+    return key
+
+
+def _coerce(name: str, annotation: str, raw: Any) -> Any:
+    if name == "allowed_cidrs":
+        return _parse_cidrs(raw)
+    if name == "encryption_key":
+        return _parse_encryption_key(raw)
+    if name == "sinks":
+        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        return tuple(s.strip() for s in items if str(s).strip())
+    if name == "tenant_signing_keys":
+        if not isinstance(raw, Mapping):
+            raise ConfigurationError("tenant_signing_keys must be a TOML table of {file, key_id}")
+        return {t: (str(v["file"]), str(v["key_id"])) for t, v in raw.items()}
+    try:
+        if annotation.startswith("bool"):
+            return _parse_bool(name, raw)
+        if annotation.startswith("int"):
+            return int(raw)
+        if annotation.startswith("float"):
+            return float(raw)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a valid {annotation.split(' ')[0]}") from None
+    return None if raw in (None, "") and "None" in annotation else str(raw)
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build :class:`Settings` from a TOML file, then ``OUTBOX_*`` variables, then overrides.
+
+    The environment wins over the file so a container can override one knob without
+    rewriting the file; explicit keyword overrides (used by the CLI) win over both.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    known = {f.name: str(f.type) for f in fields(Settings)}
+    if config_file is None and env.get(ENV_PREFIX + "CONFIG"):
+        config_file = env[ENV_PREFIX + "CONFIG"]
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigurationError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigurationError(f"config file {path} is not valid TOML: {exc}") from None
+        section = data.get("outbox", data)
+        for key, raw in section.items():
+            if key not in known:
+                raise ConfigurationError(f"config file {path}: unknown setting {key!r}")
+            values[key] = _coerce(key, known[key], raw)
+    for name, annotation in known.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and name != "tenant_signing_keys":
+            values[name] = _coerce(name, annotation, raw)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**values)
+
+
+def with_overrides(settings: Settings, **changes: Any) -> Settings:
+    """A copy of ``settings`` with some fields changed (validated again)."""
+    return replace(settings, **changes)

@@ -1,0 +1,73 @@
+"""Engines configured the way the outbox needs, for the daemon, the CLI and sellers.
+
+SQLite is shared by two processes (the seller's app and the daemon), so every SQLite
+connection gets WAL, a busy timeout and ``BEGIN IMMEDIATE`` write transactions: a reader
+never blocks the writer, and two writers queue instead of failing with "database is locked"
+half-way through a transaction (DESIGN.md, "The hard parts").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _driver_url(url: str | URL, *, asynchronous: bool) -> URL:
+    """Pick the driver this product is tested with, whatever the operator wrote."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        return parsed.set(drivername="postgresql+psycopg")
+    if backend == "sqlite":
+        return parsed.set(drivername="sqlite+aiosqlite" if asynchronous else "sqlite+pysqlite")
+    raise ValueError(f"unsupported database {backend!r}: use postgresql:// or sqlite:///")
+
+
+def configure_sqlite(engine: Engine) -> None:
+    """Give a (sync) SQLite engine WAL, a busy timeout and ``BEGIN IMMEDIATE``.
+
+    Sellers on SQLite should call this on their own engine (or use :func:`make_engine`)
+    so their enqueue transactions take the write lock up front.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # let the "begin" hook below emit BEGIN
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(url: str | URL, **kwargs: Any) -> Engine:
+    """A synchronous engine for ``url`` (psycopg 3 on PostgreSQL, pysqlite on SQLite)."""
+    driver_url = _driver_url(url, asynchronous=False)
+    engine = create_engine(driver_url, **kwargs)
+    if driver_url.get_backend_name() == "sqlite":
+        configure_sqlite(engine)
+    return engine
+
+
+def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+    """An asyncio engine for ``url`` (psycopg 3 on PostgreSQL, aiosqlite on SQLite)."""
+    driver_url = _driver_url(url, asynchronous=True)
+    if driver_url.get_backend_name() == "sqlite":
+        kwargs.setdefault("connect_args", {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    engine = create_async_engine(driver_url, **kwargs)
+    if driver_url.get_backend_name() == "sqlite":
+        configure_sqlite(engine.sync_engine)
+    return engine
+
+
+def is_postgresql(url: str | URL) -> bool:
+    return make_url(url).get_backend_name() == "postgresql"

@@ -1,0 +1,35 @@
+"""Exceptions the producer API raises.
+
+Every rejection of caller input is an :class:`OutboxValidationError`, a ``ValueError``
+subclass, so a seller can catch bad input with the idiom it already uses, and its message
+names the offending field so the fix is obvious from a log line alone.
+"""
+
+from __future__ import annotations
+
+
+class OutboxValidationError(ValueError):
+    """Caller input that the outbox refuses to store. Nothing was written."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")
+
+
+class IdempotencyConflictError(OutboxValidationError):
+    """An ``idempotency_key`` already bound to different bytes (adcp-webhooks.md §1.4).
+
+    AdCP binds a delivery key immutably to its first payload for the whole retry horizon;
+    a changed payload needs a fresh key.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            "idempotency_key",
+            f"{key!r} is already bound to a different payload; a changed payload needs a fresh key",
+        )
+
+
+class ConfigurationError(ValueError):
+    """A setting (environment variable or TOML key) with a value the outbox cannot use."""

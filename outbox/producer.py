@@ -1,0 +1,390 @@
+"""The producer API: enqueue a webhook inside the seller's own transaction.
+
+Everything is validated and rendered before the first write, so a rejected call leaves the
+caller's transaction untouched. The body is serialized exactly once, here, and those bytes
+are what every attempt and every replay will POST (DESIGN.md principle 2). Nothing here
+commits: the message exists if and only if the seller's transaction commits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Connection, select, text
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from outbox import protocol
+from outbox.config import Settings, load_settings
+from outbox.errors import IdempotencyConflictError, OutboxValidationError
+from outbox.schema import messages
+from outbox.sealing import seal
+from outbox.urls import origin, validate_destination
+
+Conn = Connection | Session
+
+_NEXT_SEQUENCE = text(
+    "INSERT INTO outbox_sequences (stream_key, last_value) VALUES (:stream_key, 1) ON CONFLICT (stream_key) "
+    "DO UPDATE SET last_value = outbox_sequences.last_value + 1 RETURNING last_value"
+)
+
+
+@dataclass(frozen=True)
+class EnqueuedMessage:
+    """What the caller gets back: enough to correlate logs, the CLI and the receiver."""
+
+    id: int
+    idempotency_key: str
+    sequence_number: int | None = None
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """A validated ``push_notification_config`` / ``reporting_webhook``."""
+
+    url: str
+    token: str | None
+    operation_id: str | None
+    auth_mode: str
+    credentials: str | None
+
+
+@functools.lru_cache(maxsize=1)
+def default_settings() -> Settings:
+    """Settings from the environment, read once per process (pass ``settings=`` to override)."""
+    return load_settings()
+
+
+def _as_mapping(value: Any, field: str) -> Mapping[str, Any]:
+    if hasattr(value, "model_dump"):  # pydantic models from the adcp SDK
+        value = value.model_dump(mode="json", exclude_none=True)
+    if not isinstance(value, Mapping):
+        raise OutboxValidationError(field, "must be an object (mapping)")
+    return value
+
+
+def _check_string(value: Any, field: str, pattern: Any = None, what: str = "") -> str:
+    if not isinstance(value, str) or not value:
+        raise OutboxValidationError(field, "is required and must be a non-empty string")
+    if pattern is not None and not pattern.fullmatch(value):
+        raise OutboxValidationError(field, f"{value[:80]!r} does not match {what or pattern.pattern}")
+    return value
+
+
+def _registration(raw: Any, field: str, settings: Settings, *, require_operation_id: bool) -> _Registration:
+    config = _as_mapping(raw, field)
+    url = validate_destination(config.get("url"), allow_http=settings.allow_http, allowed_cidrs=settings.allowed_cidrs)
+    token = config.get("token")
+    if token is not None:
+        if not isinstance(token, str) or not protocol.TOKEN_LENGTH[0] <= len(token) <= protocol.TOKEN_LENGTH[1]:
+            raise OutboxValidationError(f"{field}.token", "must be a string of 16 to 4096 characters")
+    operation_id = config.get("operation_id")
+    if require_operation_id or operation_id is not None:
+        # adcp-webhooks.md §1.1: echoed verbatim, never derived from the URL.
+        _check_string(operation_id, f"{field}.operation_id", protocol.OPERATION_ID_RE)
+    auth_mode, credentials = "rfc9421", None
+    authentication = config.get("authentication")
+    if authentication is not None:
+        auth = _as_mapping(authentication, f"{field}.authentication")
+        schemes = auth.get("schemes")
+        if not isinstance(schemes, (list, tuple)) or len(schemes) != 1 or schemes[0] not in protocol.LEGACY_SCHEMES:
+            raise OutboxValidationError(f"{field}.authentication.schemes", 'must be ["HMAC-SHA256"] or ["Bearer"]')
+        credentials = auth.get("credentials")
+        if not isinstance(credentials, str) or len(credentials) < protocol.MIN_LEGACY_CREDENTIAL_LENGTH:
+            raise OutboxValidationError(
+                f"{field}.authentication.credentials",
+                f"must be at least {protocol.MIN_LEGACY_CREDENTIAL_LENGTH} characters",
+            )
+        if settings.encryption_key is None:
+            raise OutboxValidationError(
+                f"{field}.authentication",
+                "legacy credentials are stored encrypted: set OUTBOX_ENCRYPTION_KEY first",
+            )
+        auth_mode = protocol.LEGACY_SCHEMES[schemes[0]]
+    return _Registration(url, token, operation_id, auth_mode, credentials)
+
+
+def _idempotency_key(given: str | None) -> str:
+    if given is None:
+        return f"whk_{uuid.uuid4()}"  # §1.4: cryptographically random, the SDK's format
+    return _check_string(given, "idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+
+
+def _render(envelope: Mapping[str, Any]) -> bytes:
+    """Serialize once: compact, UTF-8, and strictly JSON (no NaN, no non-string keys)."""
+    try:
+        body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise OutboxValidationError("result", f"is not JSON-serializable ({exc})") from None
+    if len(body) > protocol.MAX_BODY_BYTES:
+        raise OutboxValidationError("result", f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
+    return body
+
+
+def _timestamp() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _connection(conn: Conn) -> Connection:
+    return conn.connection() if isinstance(conn, Session) else conn
+
+
+def _insert(connection: Connection, row: dict[str, Any]) -> int | None:
+    dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+    statement = (
+        dialect.insert(messages).values(**row)
+        .on_conflict_do_nothing(index_elements=["idempotency_key"])
+        .returning(messages.c.id)
+    )
+    return connection.execute(statement).scalar()
+
+
+def _existing(connection: Connection, key: str) -> tuple[int, bytes, int | None] | None:
+    row = connection.execute(
+        select(messages.c.id, messages.c.body, messages.c.sequence_number).where(messages.c.idempotency_key == key)
+    ).first()
+    return None if row is None else (row.id, bytes(row.body), row.sequence_number)
+
+
+def _store(
+    connection: Connection,
+    *,
+    tenant_id: str,
+    registration: _Registration,
+    key: str,
+    body: bytes,
+    settings: Settings,
+    columns: Mapping[str, Any],
+) -> EnqueuedMessage:
+    """Insert the rendered message, enforcing the immutable key binding (§1.4)."""
+    secret = None
+    if registration.credentials is not None:
+        assert settings.encryption_key is not None
+        secret = seal(settings.encryption_key, registration.credentials.encode(), key.encode())
+    row = {
+        "tenant_id": tenant_id,
+        "url": registration.url,
+        "origin": origin(registration.url),
+        "idempotency_key": key,
+        "body": body,
+        "body_sha256": hashlib.sha256(body).digest(),
+        "auth_mode": registration.auth_mode,
+        "auth_secret": secret,
+        "operation_id": registration.operation_id,
+        **columns,
+    }
+    new_id = _insert(connection, row)
+    if new_id is not None:
+        return EnqueuedMessage(new_id, key, columns.get("sequence_number"))
+    existing = _existing(connection, key)
+    if existing is None or existing[1] != body:
+        raise IdempotencyConflictError(key)
+    return EnqueuedMessage(existing[0], key, existing[2])
+
+
+def _replayed_key(connection: Connection, key: str | None) -> EnqueuedMessage | None:
+    """A caller-supplied key already stored: return it without consuming a sequence number."""
+    if key is None:
+        return None
+    existing = _existing(connection, key)
+    return None if existing is None else EnqueuedMessage(existing[0], key, existing[2])
+
+
+def _tenant(tenant_id: Any) -> str:
+    return _check_string(tenant_id, "tenant_id")
+
+
+def _horizon(horizon_seconds: int | None) -> int | None:
+    if horizon_seconds is not None and not 86_400 <= horizon_seconds <= 604_800:
+        raise OutboxValidationError("horizon_seconds", "must be within 86400..604800 (adcp-webhooks.md §4.1)")
+    return horizon_seconds
+
+
+def enqueue_task_webhook(
+    conn: Conn,
+    *,
+    tenant_id: str,
+    push_notification_config: Any,
+    task_id: str,
+    task_type: str,
+    status: str,
+    result: Any = None,
+    message: str | None = None,
+    context_id: str | None = None,
+    context: Mapping[str, Any] | None = None,
+    idempotency_key: str | None = None,
+    notification_id: str | None = None,
+    horizon_seconds: int | None = None,
+    settings: Settings | None = None,
+) -> EnqueuedMessage:
+    """Enqueue an MCP task-status webhook (adcp-webhooks.md §1.1) in the caller's transaction.
+
+    Call it in the same transaction that moves the task to ``status``; it never commits.
+    Terminal statuses get ``notification_id = "<task_id>.terminal"`` unless given.
+    """
+    settings = settings or default_settings()
+    tenant = _tenant(tenant_id)
+    registration = _registration(push_notification_config, "push_notification_config", settings,
+                                 require_operation_id=True)
+    _check_string(task_id, "task_id")
+    if task_type not in protocol.TASK_TYPES:
+        raise OutboxValidationError("task_type", f"{str(task_type)[:80]!r} is not an AdCP task type")
+    if status not in protocol.TASK_STATUSES:
+        raise OutboxValidationError("status", f"{str(status)[:80]!r} is not an AdCP task status")
+    if notification_id is None and status in protocol.TERMINAL_STATUSES:
+        notification_id = f"{task_id}.terminal"
+    if notification_id is not None:
+        _check_string(notification_id, "notification_id", protocol.NOTIFICATION_ID_RE)
+    if context is not None:
+        context = _as_mapping(context, "context")
+    key = _idempotency_key(idempotency_key)
+    envelope: dict[str, Any] = {
+        "idempotency_key": key,
+        "operation_id": registration.operation_id,
+        "task_id": task_id,
+        "task_type": task_type,
+        "status": status,
+        "timestamp": _timestamp(),
+    }
+    optional = {"notification_id": notification_id, "message": message, "context_id": context_id,
+                "token": registration.token, "result": result, "context": context}
+    envelope.update({k: v for k, v in optional.items() if v is not None})
+    body = _render(envelope)
+    return _store(
+        _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
+        columns={"task_id": task_id, "task_type": task_type, "task_status": status,
+                 "horizon_seconds": _horizon(horizon_seconds)},
+    )
+
+
+def enqueue_delivery_report(
+    conn: Conn,
+    *,
+    tenant_id: str,
+    reporting_webhook: Any,
+    media_buy_id: str,
+    result: Mapping[str, Any],
+    stream_key: str | None = None,
+    task_id: str | None = None,
+    idempotency_key: str | None = None,
+    horizon_seconds: int | None = None,
+    settings: Settings | None = None,
+) -> EnqueuedMessage:
+    """Enqueue a ``media_buy_delivery`` report with the stream's next ``sequence_number``.
+
+    The number is allocated in the caller's transaction (adcp-webhooks.md §5): it starts at
+    1, has no gaps, increases in commit order, and a rollback gives it back. The stream
+    defaults to tenant + media buy + receiver URL, so each subscriber sees contiguous
+    numbers. The stream row stays locked until the caller commits: enqueue reports last.
+    """
+    settings = settings or default_settings()
+    tenant = _tenant(tenant_id)
+    registration = _registration(reporting_webhook, "reporting_webhook", settings, require_operation_id=True)
+    _check_string(media_buy_id, "media_buy_id")
+    report = dict(_as_mapping(result, "result"))
+    notification_type = report.get("notification_type")
+    if notification_type is not None and notification_type not in protocol.DELIVERY_NOTIFICATION_TYPES:
+        raise OutboxValidationError("result.notification_type", f"{str(notification_type)[:80]!r} is not a delivery notification type")
+    if stream_key is not None:
+        _check_string(stream_key, "stream_key")
+    key = _idempotency_key(idempotency_key)
+    connection = _connection(conn)
+    replayed = _replayed_key(connection, idempotency_key)
+    if replayed is not None:
+        return replayed
+    envelope: dict[str, Any] = {
+        "idempotency_key": key,
+        "operation_id": registration.operation_id,
+        "task_id": task_id or media_buy_id,
+        "task_type": protocol.DELIVERY_TASK_TYPE,
+        "status": "completed",
+        "timestamp": _timestamp(),
+    }
+    if registration.token is not None:
+        envelope["token"] = registration.token
+    report["sequence_number"] = 0  # placeholder: validate the size and serializability first
+    envelope["result"] = report
+    _render(envelope)
+    stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"
+    sequence_number = connection.execute(_NEXT_SEQUENCE, {"stream_key": stream}).scalar_one()
+    report["sequence_number"] = sequence_number
+    body = _render(envelope)
+    return _store(
+        connection, tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
+        columns={"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE,
+                 "task_status": "completed", "notification_type": notification_type,
+                 "sequence_key": stream, "sequence_number": sequence_number,
+                 "horizon_seconds": _horizon(horizon_seconds)},
+    )
+
+
+def enqueue(
+    conn: Conn,
+    *,
+    tenant_id: str,
+    url: str,
+    payload: Mapping[str, Any] | bytes,
+    idempotency_key: str | None = None,
+    authentication: Mapping[str, Any] | None = None,
+    notification_type: str | None = None,
+    horizon_seconds: int | None = None,
+    settings: Settings | None = None,
+) -> EnqueuedMessage:
+    """Enqueue any other AdCP notification body on the same delivery contract (§1.3).
+
+    ``payload`` is a mapping (its ``idempotency_key`` is set, or minted) or the exact JSON
+    bytes to send, which must be an object carrying a valid ``idempotency_key``.
+    """
+    settings = settings or default_settings()
+    tenant = _tenant(tenant_id)
+    registration = _registration({"url": url, "authentication": authentication}, "url", settings,
+                                 require_operation_id=False)
+    if isinstance(payload, (bytes, bytearray)):
+        body = bytes(payload)
+        if len(body) > protocol.MAX_BODY_BYTES:
+            raise OutboxValidationError("payload", f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
+        decoded = decode_body(body)
+        if decoded is None:
+            raise OutboxValidationError("payload", "must be a UTF-8 JSON object")
+        key = _check_string(decoded.get("idempotency_key"), "payload.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+        if idempotency_key is not None and idempotency_key != key:
+            raise OutboxValidationError("idempotency_key", "differs from payload.idempotency_key")
+    else:
+        envelope = dict(_as_mapping(payload, "payload"))
+        key = _idempotency_key(idempotency_key or envelope.get("idempotency_key"))
+        envelope["idempotency_key"] = key
+        body = _render(envelope)
+    return _store(
+        _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
+        columns={"notification_type": notification_type, "horizon_seconds": _horizon(horizon_seconds)},
+    )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate object key")  # §1.4: duplicate keys must be rejected
+    return result
+
+
+def decode_body(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or ``None`` when it is not strictly one (no NaN, no dup keys).
+
+    Shared with the daemon's integrity check, so producer and daemon judge bodies alike.
+    """
+    try:
+        value = json.loads(body.decode("utf-8"), object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None

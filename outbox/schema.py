@@ -1,0 +1,181 @@
+"""The outbox tables, as SQLAlchemy Core metadata, and the database clock.
+
+Times are stored as Unix epoch seconds (``DOUBLE PRECISION`` / ``REAL``) and always taken
+from the database (:class:`db_now`), never from a daemon's clock: several daemons with
+skewed clocks then agree on leases, due times and horizons (DESIGN.md, "Time comes from
+the database"), and the same arithmetic works on PostgreSQL and SQLite.
+
+The Alembic migrations in ``outbox/migrations`` create these tables; this module is the
+runtime view used by the producer API, the store and the CLI.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+STATES = ("pending", "in_flight", "delivered", "dead")
+DEAD_REASONS = ("expired", "conflict", "signature_rejected", "gone", "rejected", "invalid", "blocked")
+AUTH_MODES = ("rfc9421", "hmac", "bearer")
+TRIGGERS = ("scheduled", "replay")
+BREAKER_STATES = ("closed", "open", "half_open")
+
+PG_NOW = "extract(epoch from now())::float8"
+SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class db_now(FunctionElement[float]):
+    """The database's current time in epoch seconds (transaction start on PostgreSQL)."""
+
+    type = Float(53)
+    inherit_cache = True
+
+
+@compiles(db_now, "postgresql")
+def _pg_now(element: db_now, compiler: object, **kw: object) -> str:
+    return PG_NOW
+
+
+@compiles(db_now, "sqlite")
+def _sqlite_now(element: db_now, compiler: object, **kw: object) -> str:
+    return SQLITE_NOW
+
+
+def _enum_check(column: str, values: tuple[str, ...], name: str, nullable: bool = False) -> CheckConstraint:
+    listed = ", ".join(f"'{v}'" for v in values)
+    expr = f"{column} IN ({listed})"
+    return CheckConstraint(f"{column} IS NULL OR {expr}" if nullable else expr, name=name)
+
+
+metadata = MetaData()
+_Id = BigInteger().with_variant(Integer(), "sqlite")  # SQLite rowid aliasing needs INTEGER
+_Epoch = Float(53)
+
+messages = Table(
+    "outbox_messages",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("tenant_id", Text, nullable=False),
+    Column("url", Text, nullable=False),
+    # scheme://authority; the circuit-breaker and connection-pool key. Filled by a trigger
+    # on PostgreSQL when a plain-SQL producer leaves it NULL.
+    Column("origin", Text),
+    Column("idempotency_key", Text, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("body_sha256", LargeBinary),
+    Column("auth_mode", Text, nullable=False, server_default="rfc9421"),
+    Column("auth_secret", LargeBinary),  # AES-256-GCM: nonce || ciphertext+tag
+    Column("task_id", Text),
+    Column("task_type", Text),
+    Column("task_status", Text),
+    Column("notification_type", Text),
+    Column("operation_id", Text),
+    Column("sequence_key", Text),
+    Column("sequence_number", BigInteger),
+    Column("state", Text, nullable=False, server_default="pending"),
+    Column("dead_reason", Text),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("horizon_seconds", Integer),
+    Column("trigger", Text, nullable=False, server_default="scheduled"),
+    Column("created_at", _Epoch, nullable=False, server_default=db_now()),
+    Column("next_attempt_at", _Epoch, nullable=False, server_default=db_now()),
+    Column("first_attempt_at", _Epoch),
+    Column("retry_until", _Epoch),
+    Column("lease_token", Text),
+    Column("lease_expires_at", _Epoch),
+    Column("leased_by", Text),
+    Column("last_status", Integer),
+    Column("last_error", Text),
+    Column("finished_at", _Epoch),
+    _enum_check("state", STATES, "outbox_messages_state_check"),
+    _enum_check("dead_reason", DEAD_REASONS, "outbox_messages_dead_reason_check", nullable=True),
+    _enum_check("auth_mode", AUTH_MODES, "outbox_messages_auth_mode_check"),
+    _enum_check("trigger", TRIGGERS, "outbox_messages_trigger_check"),
+    CheckConstraint("(state = 'dead') = (dead_reason IS NOT NULL)", name="outbox_messages_dead_has_reason"),
+    CheckConstraint(
+        "horizon_seconds IS NULL OR horizon_seconds BETWEEN 86400 AND 604800",
+        name="outbox_messages_horizon_check",
+    ),
+    Index("outbox_messages_idempotency_key_key", "idempotency_key", unique=True),
+    # The claim path: only what is due is indexed, so millions of delivered rows cost
+    # nothing (outbox-queue-anchors.md §3).
+    Index(
+        "outbox_messages_due_idx",
+        "next_attempt_at",
+        "id",
+        postgresql_where=text("state = 'pending'"),
+        sqlite_where=text("state = 'pending'"),
+    ),
+    Index(
+        "outbox_messages_lease_idx",
+        "lease_expires_at",
+        postgresql_where=text("state = 'in_flight'"),
+        sqlite_where=text("state = 'in_flight'"),
+    ),
+    Index("outbox_messages_finished_idx", "finished_at", postgresql_where=text("finished_at IS NOT NULL"),
+          sqlite_where=text("finished_at IS NOT NULL")),
+    Index("outbox_messages_tenant_idx", "tenant_id", "created_at"),
+)
+
+attempts = Table(
+    "outbox_attempts",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("message_id", BigInteger, nullable=False),
+    Column("tenant_id", Text, nullable=False),
+    Column("url", Text, nullable=False),  # without query or fragment (adcp-webhooks.md §6.6)
+    Column("attempt_number", Integer, nullable=False),
+    Column("outcome", Text, nullable=False),
+    Column("http_status", Integer),
+    Column("error", Text),
+    Column("response_time_ms", Integer),
+    Column("will_retry", Boolean, nullable=False),
+    Column("next_retry_at", _Epoch),
+    Column("payload_size", Integer),
+    Column("sequence_number", BigInteger),
+    Column("idempotency_key", Text, nullable=False),
+    Column("notification_type", Text),
+    Column("trigger", Text, nullable=False),
+    Column("daemon_id", Text),
+    Column("occurred_at", _Epoch, nullable=False, server_default=db_now()),
+    Index("outbox_attempts_message_idx", "message_id", "attempt_number"),
+    Index("outbox_attempts_occurred_idx", "occurred_at"),
+)
+
+sequences = Table(
+    "outbox_sequences",
+    metadata,
+    Column("stream_key", Text, primary_key=True),
+    Column("last_value", BigInteger, nullable=False),
+)
+
+breakers = Table(
+    "outbox_breakers",
+    metadata,
+    Column("tenant_id", Text, nullable=False),
+    Column("origin", Text, nullable=False),
+    Column("state", Text, nullable=False, server_default="closed"),
+    Column("failures", Integer, nullable=False, server_default="0"),
+    Column("successes", Integer, nullable=False, server_default="0"),
+    Column("trips", Integer, nullable=False, server_default="0"),
+    Column("open_until", _Epoch),
+    Column("probe_until", _Epoch),
+    Column("updated_at", _Epoch, nullable=False, server_default=db_now()),
+    PrimaryKeyConstraint("tenant_id", "origin", name="outbox_breakers_pkey"),
+    _enum_check("state", BREAKER_STATES, "outbox_breakers_state_check"),
+)

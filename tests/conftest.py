@@ -1,0 +1,90 @@
+"""Shared fixtures: a private PostgreSQL database per test run, fresh SQLite files, settings."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
+
+from outbox.config import Settings, load_settings
+from outbox.db import make_engine
+from outbox.migrate import upgrade
+from tests import pgserver
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> str:
+    try:
+        return pgserver.server_url()
+    except RuntimeError as exc:
+        pytest.exit(f"PostgreSQL unavailable: {exc}", returncode=2)
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server_url: str) -> Iterator[str]:
+    """A database created for this test run (so concurrent runs never collide), migrated."""
+    name = f"outboxd_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = make_url(pg_server_url).set(database=name).render_as_string(hide_password=False)
+    upgrade(make_engine(url))
+    yield url
+    with psycopg.connect(pg_server_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _truncate(engine: Engine) -> None:
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql(
+                "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers RESTART IDENTITY"
+            )
+        else:
+            for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers"):
+                conn.exec_driver_sql(f"DELETE FROM {table}")
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[Engine]:
+    engine = make_engine(pg_url)
+    _truncate(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'outbox.db'}"
+    upgrade(make_engine(url))
+    return url
+
+
+@pytest.fixture
+def sqlite_engine(sqlite_url: str) -> Iterator[Engine]:
+    engine = make_engine(sqlite_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def engine(request: pytest.FixtureRequest) -> Engine:
+    """The same test on both databases the product supports."""
+    return request.getfixturevalue("pg_engine" if request.param == "postgresql" else "sqlite_engine")
+
+
+@pytest.fixture
+def settings() -> Settings:
+    """Settings for producer tests: loopback allowed, http allowed, a throwaway encryption key."""
+    return load_settings(
+        env={
+            "OUTBOX_ALLOW_HTTP": "true",
+            "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8,::1/128",
+            "OUTBOX_ENCRYPTION_KEY": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+        }
+    )

@@ -1,0 +1,40 @@
+from sqlalchemy import inspect, text
+
+from outbox.db import make_engine
+from outbox.migrate import current_revision, head_revision, upgrade
+
+
+def test_migrate_creates_prefixed_tables_on_both(engine):
+    names = set(inspect(engine).get_table_names())
+    assert {"outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_alembic_version"} <= names
+    assert all(n.startswith("outbox_") for n in names)
+    with engine.connect() as conn:
+        assert current_revision(conn) == head_revision()
+
+
+def test_migrate_is_idempotent(sqlite_url):
+    before, after = upgrade(make_engine(sqlite_url))
+    assert before == after == head_revision()
+
+
+def test_due_index_is_partial(engine):
+    indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("outbox_messages")}
+    assert "outbox_messages_due_idx" in indexes
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            ddl = conn.execute(text("SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_messages_due_idx'")).scalar()
+        else:
+            ddl = conn.execute(text("SELECT sql FROM sqlite_master WHERE name = 'outbox_messages_due_idx'")).scalar()
+    assert "WHERE" in ddl and "pending" in ddl
+
+
+def test_beside_a_sellers_own_alembic_history(pg_engine):
+    """A seller's alembic_version table is untouched by our migrations."""
+    with pg_engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS alembic_version (version_num varchar(32) PRIMARY KEY)"))
+        conn.execute(text("DELETE FROM alembic_version"))
+        conn.execute(text("INSERT INTO alembic_version VALUES ('sellers_rev_42')"))
+    upgrade(pg_engine)
+    with pg_engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "sellers_rev_42"
+        assert current_revision(conn) == head_revision()
