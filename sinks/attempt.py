@@ -1,0 +1,62 @@
+"""The attempt record, named and shaped like the ``adcp`` SDK's ``DeliveryAttempt``.
+
+It carries the fields of the SDK record and of AdCP's ``webhook-activity-record``
+(adcp-webhooks.md §6.6), so a buyer-facing activity log can be served straight from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+# §6.6 status values, plus what only a durable outbox can observe.
+OUTCOMES = ("success", "failed", "timeout", "connection_error", "circuit_open", "abandoned")
+
+
+@dataclass(frozen=True)
+class DeliveryAttempt:
+    """One attempt (or one circuit-open skip) at delivering one message."""
+
+    message_id: int
+    tenant_id: str
+    url: str  # without query or fragment (§6.6)
+    attempt_number: int  # 1-indexed
+    outcome: str  # one of OUTCOMES
+    http_status_code: int | None
+    error_message: str | None  # redacted, at most 200 characters, never headers or bodies
+    response_time_ms: int | None
+    will_retry: bool
+    next_retry_at: float | None  # epoch seconds, database clock
+    payload_size_bytes: int
+    sequence_number: int | None
+    idempotency_key: str  # equals the payload's value (§6.6)
+    notification_type: str | None
+    trigger: str  # scheduled | replay
+    daemon_id: str
+    occurred_at: float  # epoch seconds, database clock
+
+    def as_row(self) -> dict[str, Any]:
+        """The ``outbox_attempts`` row for this attempt."""
+        return {
+            "message_id": self.message_id, "tenant_id": self.tenant_id, "url": self.url,
+            "attempt_number": self.attempt_number, "outcome": self.outcome, "http_status": self.http_status_code,
+            "error": self.error_message, "response_time_ms": self.response_time_ms,
+            "will_retry": self.will_retry, "next_retry_at": self.next_retry_at,
+            "payload_size": self.payload_size_bytes, "sequence_number": self.sequence_number,
+            "idempotency_key": self.idempotency_key, "notification_type": self.notification_type,
+            "trigger": self.trigger, "daemon_id": self.daemon_id, "occurred_at": self.occurred_at,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@runtime_checkable
+class DeliveryLogSink(Protocol):
+    """Anything that wants every attempt: ``async def record(attempt) -> None``.
+
+    The SDK's protocol, unchanged, so sinks written for ``InMemoryWebhookDeliverySupervisor``
+    plug in here by dotted path (``OUTBOX_SINKS=package.module:ClassName``).
+    """
+
+    async def record(self, attempt: DeliveryAttempt) -> None: ...

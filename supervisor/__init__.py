@@ -1,0 +1,1 @@
+"""The ``outboxd`` daemon: scheduling, signing, HTTP sending, retries, breakers, metrics, CLI."""

@@ -1,0 +1,122 @@
+"""One delivery attempt of one leased message: check, sign, POST, classify.
+
+Pure of database writes: it returns an :class:`Outcome` for the completer to record, so
+the attempt and the message's new state are written together in one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from outbox import protocol
+from outbox.config import Settings
+from outbox.errors import ConfigurationError, OutboxValidationError
+from outbox.producer import decode_body
+from outbox.sealing import SealError, unseal
+from outbox.store import Claimed
+from outbox.urls import validate_destination
+from supervisor.classify import Verdict, classify_response, classify_transport_error
+from supervisor.signing import CONTENT_TYPE, KeyResolver, bearer_headers, hmac_headers, signature_headers
+from supervisor.transport import HttpSender
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one leased message, ready to be recorded."""
+
+    message: Claimed
+    action: str  # delivered | retry | dead | skip (circuit open: not attempted)
+    outcome: str  # attempt outcome: success | failed | timeout | connection_error | circuit_open | abandoned
+    reason: str | None = None  # dead reason
+    http_status: int | None = None
+    error: str | None = None
+    response_time_ms: int | None = None
+    retry_after: float | None = None
+    defer_seconds: float | None = None  # skip: when to look again
+    sent: bool = False  # a request was made: counts for the circuit breaker
+
+    @classmethod
+    def dead(cls, message: Claimed, reason: str, error: str) -> "Outcome":
+        return cls(message, "dead", "failed", reason=reason, error=error[:200])
+
+
+class PreparationError(Exception):
+    """The attempt cannot be made now for a reason of the daemon's, not the message's."""
+
+
+def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None, str]:
+    """Why a claimed row cannot be sent as stored (``None`` if it can) and its canonical URL.
+
+    Rows may come from a plain-SQL producer in any language (issue: "any language can
+    enqueue"), so the daemon trusts nothing: the body must be a JSON object carrying the
+    row's key, the hash must match, and the URL must pass the same rules as enqueue.
+    """
+    if message.body_sha256 is not None and hashlib.sha256(message.body).digest() != message.body_sha256:
+        return "body does not match its stored SHA-256", message.url
+    if len(message.body) > protocol.MAX_BODY_BYTES:
+        return "body is over the 1 MiB limit", message.url
+    body = decode_body(message.body)
+    if body is None:
+        return "body is not a JSON object", message.url
+    if body.get("idempotency_key") != message.idempotency_key:
+        return "idempotency_key in the body differs from the row", message.url
+    if not protocol.IDEMPOTENCY_KEY_RE.fullmatch(message.idempotency_key):
+        return "idempotency_key does not match the AdCP pattern", message.url
+    try:
+        url = validate_destination(message.url, allow_http=settings.allow_http, allowed_cidrs=settings.allowed_cidrs)
+    except OutboxValidationError as exc:
+        return str(exc), message.url
+    if message.auth_mode != "rfc9421" and message.auth_secret is None:
+        return "legacy authentication without stored credentials", url
+    return None, url
+
+
+def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver) -> dict[str, str]:
+    """Transport metadata for this attempt: the only thing that changes between attempts.
+
+    RFC 9421 unless the buyer registered legacy ``authentication`` — never both (§2.5).
+    Raises :class:`SealError` for credentials that do not open and
+    :class:`PreparationError` when the daemon lacks a key.
+    """
+    if message.auth_mode == "rfc9421":
+        try:
+            key = keys.resolve(message.tenant_id)
+        except ConfigurationError as exc:
+            raise PreparationError(str(exc)) from None
+        return signature_headers(key, url=url, body=message.body)
+    if settings.encryption_key is None:
+        raise PreparationError("legacy credentials stored but OUTBOX_ENCRYPTION_KEY is not set")
+    assert message.auth_secret is not None
+    secret = unseal(settings.encryption_key, message.auth_secret, message.idempotency_key.encode())
+    if message.auth_mode == "hmac":
+        return {"Content-Type": CONTENT_TYPE, **hmac_headers(secret, message.body)}
+    return {"Content-Type": CONTENT_TYPE, **bearer_headers(secret.decode())}
+
+
+async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender) -> Outcome:
+    """Make one attempt; never raises for anything the message or the receiver does."""
+    if message.claimed_at >= message.retry_until:
+        return Outcome.dead(message, "expired", "retry horizon passed")
+    problem, url = integrity_problem(message, settings)
+    if problem is not None:
+        return Outcome.dead(message, "invalid", problem)
+    try:
+        headers = auth_headers(message, url, settings, keys)
+    except SealError as exc:
+        return Outcome.dead(message, "invalid", str(exc))
+    except PreparationError as exc:
+        return Outcome(message, "retry", "failed", error=str(exc)[:200])
+    result = await sender.post(url, message.body, headers)
+    verdict: Verdict
+    if result.status is None:
+        verdict = classify_transport_error(result.error_kind or "connection_error")
+    else:
+        verdict = classify_response(result.status, result.headers, now=message.claimed_at,
+                                    retry_after_cap=settings.retry_after_cap_seconds)
+    error = result.error if result.status is None else (None if verdict.action == "delivered" else verdict.detail)
+    return Outcome(
+        message, verdict.action, verdict.outcome, reason=verdict.reason, http_status=result.status,
+        error=error[:200] if error else None, response_time_ms=result.elapsed_ms,
+        retry_after=verdict.retry_after, sent=result.error_kind != "blocked",
+    )

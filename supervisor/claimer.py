@@ -1,0 +1,156 @@
+"""Leases due messages and starts their attempts, within the concurrency limits.
+
+It holds the in-flight accounting: a global cap (``OUTBOX_CONCURRENCY``) and a per-origin
+cap (``OUTBOX_ENDPOINT_CONCURRENCY``). An origin at its cap is excluded from the next claim,
+so a slow or hanging endpoint holds at most its own share of slots and never makes other
+tenants' messages wait behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import store
+from outbox.config import Settings
+from outbox.store import Claimed
+from supervisor.attempt import Outcome
+from supervisor.breaker import CircuitState
+from supervisor.metrics import Metrics
+from supervisor.outage import OutageGuard
+
+Attempt = Callable[[Claimed], Awaitable[Outcome]]
+HALF_OPEN_RECHECK_SECONDS = 1.0
+
+
+class Claimer:
+    def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
+                 attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._daemon_id = daemon_id
+        self._metrics = metrics
+        self._attempt = attempt
+        self._submit = submit
+        self._outage = outage
+        self._per_origin: Counter[str] = Counter()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._log = structlog.get_logger("outboxd.claimer")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def wake(self) -> None:
+        """Something may be due now (a NOTIFY, a freed slot)."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        while not self._stopping:
+            free = self._settings.concurrency - self.in_flight
+            if free <= 0:
+                await self._sleep(self._settings.poll_interval_seconds)
+                continue
+            limit = min(free, self._settings.claim_batch)
+            try:
+                batch = await self._claim(limit)
+                next_due, now = await self._next_due() if len(batch) < limit else (None, None)
+                self._outage.ok()
+            except Exception as exc:
+                await self._outage.failed("claim messages", exc)
+                continue
+            if len(batch) == limit:
+                continue  # more may be due: claim again at once
+            if batch:
+                await asyncio.sleep(0)  # let the new attempts start, then look again
+                continue
+            timeout = self._settings.poll_interval_seconds
+            if next_due is not None and now is not None and next_due > now:
+                timeout = min(timeout, next_due - now)
+            await self._sleep(timeout)
+
+    async def _sleep(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _claim(self, limit: int) -> list[Claimed]:
+        busy = [o for o, n in self._per_origin.items() if n >= self._settings.endpoint_concurrency]
+        async with self._engine.begin() as conn:
+            batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
+                                      horizon_seconds=self._settings.retry_horizon_seconds,
+                                      daemon_id=self._daemon_id, busy_origins=busy)
+            keys = {(m.tenant_id, m.origin) for m in batch if m.origin}
+            breakers = await store.load_breakers(conn, keys) if keys else {}
+        self._metrics.claim_batch.observe(len(batch))
+        probes: dict[tuple[str, str], bool] = {}
+        for message in batch:
+            gate = await self._gate(message, breakers, probes)
+            if gate is not None:
+                self._submit(gate)
+                continue
+            self._per_origin[message.origin or ""] += 1
+            self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))
+        self._metrics.in_flight.set(self.in_flight)
+        return batch
+
+    async def _gate(self, message: Claimed, breakers: dict, probes: dict[tuple[str, str], bool]) -> Outcome | None:
+        """``None`` if the message may be sent now, else the circuit-open skip to record."""
+        key = (message.tenant_id, message.origin or "")
+        row = breakers.get(key)
+        if row is None or row["state"] == CircuitState.CLOSED.value:
+            return None
+        now = message.claimed_at
+        if row["state"] == CircuitState.OPEN.value and row["open_until"] > now:
+            return Outcome(message, "skip", "circuit_open", error="circuit open",
+                           defer_seconds=row["open_until"] - now)
+        if key not in probes:  # open period over: one probe at a time goes (half-open)
+            async with self._engine.begin() as conn:
+                probes[key] = await store.acquire_probe(conn, key[0], key[1], self._settings.lease_seconds)
+            if probes[key]:
+                return None
+        return Outcome(message, "skip", "circuit_open", error="circuit half-open: probe in flight",
+                       defer_seconds=HALF_OPEN_RECHECK_SECONDS)
+
+    async def _run_attempt(self, message: Claimed) -> None:
+        try:
+            outcome = await self._attempt(message)
+        except asyncio.CancelledError:
+            outcome = Outcome(message, "retry", "abandoned", error="attempt interrupted at shutdown")
+            raise
+        except Exception as exc:  # a bug must not lose the message: record and retry it
+            self._log.exception("attempt.crashed", message_id=message.id)
+            outcome = Outcome(message, "retry", "failed", error=f"internal error: {type(exc).__name__}")
+        finally:
+            self._per_origin[message.origin or ""] -= 1
+            if self._per_origin[message.origin or ""] <= 0:
+                del self._per_origin[message.origin or ""]
+            self._tasks.pop(message.id, None)
+            self._metrics.in_flight.set(self.in_flight)
+            self._submit(outcome)  # noqa: B012 - recorded even when cancelled
+            self._wake.set()
+
+    async def _next_due(self) -> tuple[float | None, float]:
+        async with self._engine.connect() as conn:
+            return await store.next_due_at(conn), await store.db_now(conn)
+
+    async def finish(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for attempts in flight, then interrupt the rest."""
+        tasks = list(self._tasks.values())
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,190 @@
+"""Records outcomes in batches: message state, attempt rows and breakers in one transaction.
+
+Outcomes queue up while requests run; one flush per ~20 ms (or per 200 outcomes) writes
+them all, so the database cost per delivery stays small (outbox-queue-anchors.md §0.3), and
+each breaker row is touched at most once per flush (DESIGN.md, "Hot rows"). A flush that
+fails is retried with the same outcomes: the lease token makes the retry apply nothing
+twice, and attempt rows are written only for messages whose lease was still ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import store
+from outbox.config import Settings
+from outbox.store import Completion
+from outbox.urls import without_query
+from sinks.attempt import DeliveryAttempt
+from sinks.fanout import SinkFanout
+from supervisor.attempt import Outcome
+from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
+from supervisor.classify import RetryPolicy
+from supervisor.metrics import Metrics, status_class
+from supervisor.outage import OutageGuard
+
+FLUSH_INTERVAL = 0.02
+FLUSH_MAX = 200
+
+
+@dataclass(frozen=True)
+class Policies:
+    retry: RetryPolicy
+    breaker: CircuitBreakerPolicy
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Policies":
+        return cls(
+            RetryPolicy(settings.retry_base_seconds, settings.retry_max_seconds),
+            CircuitBreakerPolicy(settings.breaker_failure_threshold, settings.breaker_success_threshold,
+                                 settings.breaker_open_seconds, settings.breaker_max_open_seconds),
+        )
+
+
+class Completer:
+    def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
+                 fanout: SinkFanout, outage: OutageGuard) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._policies = Policies.from_settings(settings)
+        self._daemon_id = daemon_id
+        self._metrics = metrics
+        self._fanout = fanout
+        self._outage = outage
+        self._queue: asyncio.Queue[Outcome] = asyncio.Queue()
+        self._log = structlog.get_logger("outboxd.completer")
+
+    def submit(self, outcome: Outcome) -> None:
+        self._queue.put_nowait(outcome)
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    async def run(self) -> None:
+        """Flush forever; cancelled by the daemon after :meth:`drain`."""
+        while True:
+            batch = [await self._queue.get()]
+            deadline = time.monotonic() + FLUSH_INTERVAL
+            while len(batch) < FLUSH_MAX:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+                except asyncio.TimeoutError:
+                    break
+            await self._flush_until_done(batch)
+
+    async def drain(self) -> None:
+        """Flush everything queued (shutdown)."""
+        batch: list[Outcome] = []
+        while not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        if batch:
+            await self._flush_until_done(batch)
+
+    async def _flush_until_done(self, batch: Sequence[Outcome]) -> None:
+        while True:
+            try:
+                await self.flush(batch)
+                self._outage.ok()
+                return
+            except Exception as exc:
+                await self._outage.failed("record outcomes", exc)
+
+    async def flush(self, batch: Sequence[Outcome]) -> None:
+        async with self._engine.begin() as conn:
+            now = await store.db_now(conn)
+            plans = [self._plan(outcome, now) for outcome in batch]
+            applied = await store.complete(conn, [completion for completion, _ in plans])
+            records = [record for (completion, record) in plans if completion.message_id in applied]
+            await store.insert_attempts(conn, [r.as_row() for r in records])
+            transitions = await self._update_breakers(conn, batch, applied, now)
+        self._after_commit(batch, plans, applied, transitions, now)
+
+    def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt]:
+        m = o.message
+        state, reason, next_at, delta = "pending", None, None, 0
+        if o.action == "delivered":
+            state = "delivered"
+        elif o.action == "dead":
+            state, reason = "dead", o.reason
+        elif o.action == "skip":
+            next_at, delta = now + (o.defer_seconds or 1.0), -1
+        else:  # retry, or abandoned at shutdown
+            delay = self._policies.retry.delay_for_attempt(m.attempt)
+            next_at = now + max(delay, o.retry_after or 0.0)
+            if o.outcome == "abandoned":
+                next_at = now
+            elif next_at >= m.retry_until:  # never send after first attempt + horizon (§4.1)
+                state, reason, next_at = "dead", "expired", None
+        completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, o.error)
+        record = DeliveryAttempt(
+            message_id=m.id, tenant_id=m.tenant_id, url=without_query(m.url), attempt_number=m.attempt,
+            outcome=o.outcome, http_status_code=o.http_status, error_message=o.error,
+            response_time_ms=o.response_time_ms, will_retry=state == "pending",
+            next_retry_at=next_at if state == "pending" else None, payload_size_bytes=len(m.body),
+            sequence_number=m.sequence_number, idempotency_key=m.idempotency_key,
+            notification_type=m.notification_type, trigger=m.trigger, daemon_id=self._daemon_id, occurred_at=now,
+        )
+        return completion, record
+
+    async def _update_breakers(self, conn, batch: Sequence[Outcome], applied: set[int], now: float
+                               ) -> list[tuple[str, str]]:
+        per_key: dict[tuple[str, str], list[bool]] = defaultdict(list)
+        for o in batch:
+            if o.sent and o.message.id in applied and o.message.origin:
+                # Any definitive answer shows the endpoint alive; only retryable failures count against it.
+                per_key[(o.message.tenant_id, o.message.origin)].append(o.action != "retry")
+        if not per_key:
+            return []
+        rows = await store.load_breakers(conn, per_key, for_update=True)
+        changed, transitions = [], []
+        for key, results in per_key.items():
+            row = rows.get(key)
+            if row is None and all(results):
+                continue  # a healthy endpoint needs no row
+            new, moved = apply_outcomes(row or closed_row(*key), results, now=now, policy=self._policies.breaker)
+            if new != row:
+                changed.append(new)
+            transitions.extend(moved)
+            for before, after in moved:
+                self._log.warning("breaker.transition", tenant_id=key[0], origin=key[1], from_state=before,
+                                  to_state=after, open_until=new["open_until"])
+        await store.save_breakers(conn, changed)
+        return transitions
+
+    def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt]],
+                      applied: set[int], transitions: list[tuple[str, str]], now: float) -> None:
+        metrics = self._metrics
+        for before, after in transitions:
+            metrics.breaker_transitions.labels(from_state=before, to_state=after).inc()
+        for o, (completion, record) in zip(batch, plans):
+            m = o.message
+            labels = metrics.tenant_labels(m.tenant_id)
+            metrics.attempts.labels(outcome=o.outcome, status_class=status_class(o.http_status), **labels).inc()
+            if o.response_time_ms is not None:
+                metrics.attempt_duration.observe(o.response_time_ms / 1000)
+            if m.id not in applied:
+                self._log.warning("lease.lost", message_id=m.id, idempotency_key=m.idempotency_key,
+                                  attempt=m.attempt, outcome=o.outcome)
+                continue
+            self._fanout.publish(record)
+            if completion.state == "delivered":
+                metrics.deliveries.labels(outcome="delivered", **labels).inc()
+                metrics.commit_to_delivery.observe(max(now - m.created_at, 0.0))
+            elif completion.state == "dead":
+                metrics.deliveries.labels(outcome="dead", **labels).inc()
+                metrics.dead_letters.labels(reason=completion.dead_reason).inc()
+            if completion.state in ("delivered", "dead"):
+                self._log.info(f"message.{completion.state}", message_id=m.id, tenant_id=m.tenant_id,
+                               idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
+                               reason=completion.dead_reason)

@@ -1,0 +1,134 @@
+"""``outboxd run``: the daemon, wired from its small parts.
+
+    claimer ──► attempt (sign · POST · classify) ──► completer ──► sinks
+       ▲  wake-up (LISTEN / poll)     maintenance (rescue · expire · gauges)   health/metrics
+
+Every decision that must survive a crash is written by the completer in the database; this
+process only caches. SIGTERM/SIGINT stop claiming, let in-flight attempts finish within
+``OUTBOX_SHUTDOWN_GRACE_SECONDS``, record them (interrupted ones as ``abandoned``, due
+again at once), and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import uuid
+from typing import Any
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox.config import Settings
+from outbox.db import is_postgresql, make_async_engine
+from outbox.migrate import current_revision, head_revision
+from outbox.errors import ConfigurationError
+from sinks.fanout import SinkFanout, load_sink
+from sinks.structlog_sink import StructlogSink
+from supervisor.attempt import attempt
+from supervisor.claimer import Claimer
+from supervisor.completer import Completer
+from supervisor.health import HealthServer
+from supervisor.maintenance import Maintenance
+from supervisor.metrics import Metrics
+from supervisor.outage import OutageGuard
+from supervisor.signing import KeyResolver
+from supervisor.transport import HttpSender
+from supervisor.wakeup import listen
+
+
+def new_daemon_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+async def _schema_problem(engine: AsyncEngine) -> str | None:
+    """Why the daemon must not run on this database yet (``None`` when it may)."""
+    async with engine.connect() as conn:
+        revision = await conn.run_sync(current_revision)
+    if revision != head_revision():
+        return f"database schema is at {revision or 'nothing'}, expected {head_revision()}: run `outboxd migrate`"
+    return None
+
+
+class Daemon:
+    def __init__(self, settings: Settings, *, sender: HttpSender | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.daemon_id = new_daemon_id()
+        self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics)
+        self.engine = make_async_engine(settings.database_url)
+        self.keys = KeyResolver(settings)
+        self.sender = sender or HttpSender(settings)
+        self.outage = OutageGuard(settings.database_outage_seconds)
+        self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
+                                 timeout=settings.sink_timeout_seconds,
+                                 on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
+        self.completer = Completer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
+                                   fanout=self.fanout, outage=self.outage)
+        self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
+                               attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender),
+                               submit=self.completer.submit, outage=self.outage)
+        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine))
+        self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
+        self.metrics_address: tuple[str, int] | None = None
+
+    def check_signing_key(self) -> None:
+        """Fail at start, not on the first attempt, when the default key cannot be loaded."""
+        if self.settings.signing_key_file:
+            self.keys.resolve("")
+        elif not self.settings.tenant_signing_keys:
+            raise ConfigurationError("no signing key configured: set OUTBOX_SIGNING_KEY_FILE "
+                                     "(`outboxd keys generate` makes one)")
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        self.check_signing_key()
+        problem = await _schema_problem(self.engine)
+        if problem:
+            raise ConfigurationError(problem)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        if self.settings.metrics_addr:
+            self.metrics_address = await self.health.start(self.settings.metrics_addr)
+        self.fanout.start()
+        background: list[asyncio.Task[Any]] = [
+            asyncio.create_task(self.completer.run(), name="completer"),
+            asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
+                                            outage=self.outage).run(), name="maintenance"),
+        ]
+        if is_postgresql(self.settings.database_url):
+            background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
+                                                  name="wakeup"))
+        claimer = asyncio.create_task(self.claimer.run(), name="claimer")
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        self.log.info("daemon.started", concurrency=self.settings.concurrency,
+                      metrics=self.metrics_address, horizon_seconds=self.settings.retry_horizon_seconds)
+        failure: BaseException | None = None
+        try:
+            done, _ = await asyncio.wait([claimer, stopper, *background], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and task.exception() is not None:
+                    failure = task.exception()
+        finally:
+            self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
+            self.claimer.stop()
+            await asyncio.gather(claimer, return_exceptions=True)
+            if failure is None:
+                await self.claimer.finish(self.settings.shutdown_grace_seconds)
+                await self.completer.drain()
+            for task in [stopper, *background]:
+                task.cancel()
+            await asyncio.gather(stopper, *background, return_exceptions=True)
+            await self.fanout.close()
+            await self.health.close()
+            await self.sender.aclose()
+            await self.engine.dispose()
+        if failure is not None:
+            raise failure  # DatabaseUnavailable, or a bug: exit non-zero so the supervisor restarts us
+        self.log.info("daemon.stopped")

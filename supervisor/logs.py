@@ -1,0 +1,40 @@
+"""structlog set-up: JSON lines by default, readable on a terminal.
+
+Events carry ids, keys and outcomes only. Secrets never reach a log call in the first
+place; as a second line of defence a processor strips query strings from any ``url``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+from outbox.urls import without_query
+
+
+def _strip_query(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    url = event.get("url")
+    if isinstance(url, str) and ("?" in url or "#" in url):
+        event["url"] = without_query(url)
+    return event
+
+
+def configure_logging(fmt: str = "auto", level: int = logging.INFO) -> None:
+    """``fmt``: ``json``, ``console``, or ``auto`` (console when stderr is a TTY)."""
+    console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer: Any = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _strip_query,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,89 @@
+"""Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
+and sample the gauges that need a query.
+
+Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
+cut short by a crash (after which the receiver may or may not have seen the request) is
+still in the attempt log. The gauges are sampled every ``GAUGE_INTERVAL`` seconds per
+process, never per scrape, so scrapes put no load on the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import store
+from outbox.schema import breakers, messages
+from outbox.urls import without_query
+from sinks.attempt import DeliveryAttempt
+from supervisor.metrics import Metrics
+from supervisor.outage import OutageGuard
+
+RESCUE_INTERVAL = 2.0
+EXPIRE_INTERVAL = 30.0
+GAUGE_INTERVAL = 15.0
+
+
+async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
+    async with engine.begin() as conn:
+        rows = await store.rescue_expired_leases(conn)
+        now = await store.db_now(conn)
+        await store.insert_attempts(conn, [
+            DeliveryAttempt(
+                message_id=r.id, tenant_id=r.tenant_id, url=without_query(r.url), attempt_number=r.attempts,
+                outcome="abandoned", http_status_code=None,
+                error_message=f"lease of {r.leased_by} expired; outcome unknown"[:200], response_time_ms=None,
+                will_retry=True, next_retry_at=now, payload_size_bytes=r.payload_size,
+                sequence_number=r.sequence_number, idempotency_key=r.idempotency_key,
+                notification_type=r.notification_type, trigger=r.trigger, daemon_id=daemon_id, occurred_at=now,
+            ).as_row()
+            for r in rows
+        ])
+    return len(rows)
+
+
+async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
+    async with engine.connect() as conn:
+        counts = dict((await conn.execute(select(messages.c.state, func.count()).group_by(messages.c.state))).all())
+        now = await store.db_now(conn)
+        oldest = await store.next_due_at(conn)
+        states = dict((await conn.execute(select(breakers.c.state, func.count()).group_by(breakers.c.state))).all())
+    for state in ("pending", "in_flight", "delivered", "dead"):
+        metrics.messages.labels(state=state).set(counts.get(state, 0))
+    metrics.oldest_due_age.set(max(now - oldest, 0.0) if oldest is not None else 0.0)
+    for state in ("closed", "open", "half_open"):
+        metrics.breakers.labels(state=state).set(states.get(state, 0))
+
+
+class Maintenance:
+    def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard) -> None:
+        self._engine = engine
+        self._daemon_id = daemon_id
+        self._metrics = metrics
+        self._outage = outage
+        self._log = structlog.get_logger("outboxd.maintenance")
+
+    async def run(self) -> None:
+        ticks = 0
+        while True:
+            try:
+                rescued = await rescue_once(self._engine, self._daemon_id)
+                if rescued:
+                    self._log.warning("leases.rescued", count=rescued)
+                if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
+                    async with self._engine.begin() as conn:
+                        expired = await store.expire_past_horizon(conn)
+                    if expired:
+                        self._metrics.dead_letters.labels(reason="expired").inc(len(expired))
+                        self._log.warning("messages.expired", count=len(expired))
+                if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:
+                    await sample_gauges(self._engine, self._metrics)
+                self._outage.ok()
+            except Exception as exc:
+                await self._outage.failed("maintenance", exc)
+                continue
+            ticks += 1
+            await asyncio.sleep(RESCUE_INTERVAL)

@@ -1,0 +1,71 @@
+"""Prometheus metrics of the daemon: names prefixed ``outbox_``, base units, bounded labels.
+
+No label ever carries a message id, URL or tenant, unless the operator turns per-tenant
+labels on (``OUTBOX_PER_TENANT_METRICS``) for the two per-tenant counters.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, PlatformCollector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 21600, 86400)
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20)
+BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+def package_version() -> str:
+    try:
+        return version("outboxd")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def status_class(status: int | None) -> str:
+    return "none" if status is None else f"{status // 100}xx"
+
+
+class Metrics:
+    """All metric families of one daemon, on their own registry."""
+
+    def __init__(self, *, per_tenant: bool = False) -> None:
+        self.registry = CollectorRegistry()
+        self.per_tenant = per_tenant
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        tenant = ["tenant"] if per_tenant else []
+        self.deliveries = Counter("outbox_deliveries", "Messages finished, by final outcome.",
+                                  ["outcome", *tenant], registry=r)
+        self.attempts = Counter("outbox_attempts", "Delivery attempts, by outcome and HTTP status class.",
+                                ["outcome", "status_class", *tenant], registry=r)
+        self.attempt_duration = Histogram("outbox_attempt_duration_seconds", "Time of one HTTP attempt.",
+                                          buckets=DURATION_BUCKETS, registry=r)
+        self.commit_to_delivery = Histogram("outbox_commit_to_delivery_seconds",
+                                            "From the enqueueing commit to the recorded delivery.",
+                                            buckets=LATENCY_BUCKETS, registry=r)
+        self.messages = Gauge("outbox_messages", "Messages in the outbox, by state (sampled).", ["state"],
+                              registry=r)
+        self.oldest_due_age = Gauge("outbox_oldest_due_message_age_seconds",
+                                    "How long the oldest due message has been waiting (sampled).", registry=r)
+        self.dead_letters = Counter("outbox_dead_letters", "Messages that became dead, by reason.", ["reason"],
+                                    registry=r)
+        self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
+        self.breaker_transitions = Counter("outbox_breaker_transitions", "Circuit breaker state changes.",
+                                           ["from_state", "to_state"], registry=r)
+        self.in_flight = Gauge("outbox_in_flight_requests", "HTTP requests in flight in this process.",
+                               registry=r)
+        self.claim_batch = Histogram("outbox_claim_batch_size", "Messages leased per claim.",
+                                     buckets=BATCH_BUCKETS, registry=r)
+        self.sink_errors = Counter("outbox_sink_errors", "Attempts a sink failed to take (timeout, error, full).",
+                                   ["sink"], registry=r)
+        self.build_info = Gauge("outbox_build_info", "Version of the running outboxd.", ["version"], registry=r)
+        self.build_info.labels(version=package_version()).set(1)
+        for state in ("pending", "in_flight", "delivered", "dead"):
+            self.messages.labels(state=state)
+        for state in ("closed", "open", "half_open"):
+            self.breakers.labels(state=state)
+
+    def tenant_labels(self, tenant_id: str) -> dict[str, str]:
+        return {"tenant": tenant_id} if self.per_tenant else {}

@@ -1,0 +1,140 @@
+"""What the operator CLI asks of the database: status, list, show, replay, breakers, purge.
+
+Kept apart from the argument parsing so each query is testable and the CLI stays a thin
+layer of flags and printing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Select, and_, delete, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox import store
+from outbox.producer import decode_body
+from outbox.schema import attempts, breakers, messages
+
+MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "auth_secret", "lease_token")]
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The selection shared by ``list`` and ``replay``."""
+
+    state: str | None = None
+    reason: str | None = None
+    tenant: str | None = None
+    url: str | None = None  # substring of the URL
+    since: float | None = None  # created_at >= since (epoch seconds)
+    until: float | None = None
+    limit: int = 100
+
+    def apply(self, query: Select[Any]) -> Select[Any]:
+        conditions = []
+        if self.state:
+            conditions.append(messages.c.state == self.state)
+        if self.reason:
+            conditions.append(messages.c.dead_reason == self.reason)
+        if self.tenant:
+            conditions.append(messages.c.tenant_id == self.tenant)
+        if self.url:
+            conditions.append(messages.c.url.contains(self.url, autoescape=True))
+        if self.since is not None:
+            conditions.append(messages.c.created_at >= self.since)
+        if self.until is not None:
+            conditions.append(messages.c.created_at < self.until)
+        return query.where(and_(*conditions)).order_by(messages.c.id).limit(self.limit)
+
+
+def _message(row: Any) -> dict[str, Any]:
+    data = {c.name: row._mapping[c.name] for c in MESSAGE_COLUMNS}
+    data["url"] = data["url"].split("?", 1)[0]  # query strings may carry buyer secrets
+    return data
+
+
+async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
+    counts = dict((await conn.execute(select(messages.c.state, func.count()).group_by(messages.c.state))).all())
+    dead = dict((await conn.execute(select(messages.c.dead_reason, func.count())
+                                    .where(messages.c.state == "dead").group_by(messages.c.dead_reason))).all())
+    now = await store.db_now(conn)
+    oldest = await store.next_due_at(conn)
+    open_rows = (await conn.execute(select(breakers).where(breakers.c.state != "closed")
+                                    .order_by(breakers.c.tenant_id, breakers.c.origin))).mappings().all()
+    backlog = (await conn.execute(
+        select(messages.c.tenant_id, func.count().label("n"))
+        .where(messages.c.state.in_(("pending", "in_flight")))
+        .group_by(messages.c.tenant_id).order_by(func.count().desc(), messages.c.tenant_id).limit(top)
+    )).all()
+    return {
+        "messages": {s: int(counts.get(s, 0)) for s in ("pending", "in_flight", "delivered", "dead")},
+        "oldest_due_age_seconds": round(max(now - oldest, 0.0), 3) if oldest is not None and oldest <= now else 0.0,
+        "dead_by_reason": {str(k): int(v) for k, v in sorted(dead.items(), key=lambda kv: str(kv[0]))},
+        "open_breakers": [dict(r) for r in open_rows],
+        "top_tenants_by_backlog": [{"tenant_id": t, "backlog": int(n)} for t, n in backlog],
+    }
+
+
+async def list_messages(conn: AsyncConnection, filters: Filters) -> list[dict[str, Any]]:
+    rows = await conn.execute(filters.apply(select(*MESSAGE_COLUMNS)))
+    return [_message(r) for r in rows]
+
+
+async def find(conn: AsyncConnection, ref: str) -> Any | None:
+    """A message by numeric id or by idempotency key."""
+    condition = messages.c.idempotency_key == ref
+    if ref.isdigit():
+        condition = or_(messages.c.id == int(ref), condition)
+    return (await conn.execute(select(messages).where(condition))).first()
+
+
+async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
+    row = await find(conn, ref)
+    if row is None:
+        return None
+    data = _message(row)
+    body = decode_body(bytes(row.body))
+    data["payload_size"] = len(row.body)
+    data["payload"] = _redact(body) if body is not None else None
+    history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
+                                 .order_by(attempts.c.attempt_number, attempts.c.id))
+    data["attempts"] = [dict(a._mapping) for a in history]
+    return data
+
+
+def _redact(body: dict[str, Any]) -> dict[str, Any]:
+    """The stored payload for display, without the buyer's token (§2.4: a credential)."""
+    shown = json.loads(json.dumps(body))
+    if "token" in shown:
+        shown["token"] = "[redacted]"
+    return shown
+
+
+async def select_ids(conn: AsyncConnection, filters: Filters) -> list[int]:
+    return list((await conn.execute(filters.apply(select(messages.c.id)))).scalars())
+
+
+async def replay_candidates(conn: AsyncConnection, ids: Sequence[int]) -> list[dict[str, Any]]:
+    now = await store.db_now(conn)
+    rows = await conn.execute(select(*MESSAGE_COLUMNS).where(messages.c.id.in_(list(ids))).order_by(messages.c.id))
+    result = []
+    for row in rows:
+        item = _message(row)
+        item["past_horizon"] = row.retry_until is not None and row.retry_until <= now
+        item["replayable"] = row.state in ("dead", "delivered")
+        result.append(item)
+    return result
+
+
+async def list_breakers(conn: AsyncConnection) -> list[dict[str, Any]]:
+    rows = await conn.execute(select(breakers).order_by(breakers.c.tenant_id, breakers.c.origin))
+    return [dict(r) for r in rows.mappings()]
+
+
+async def reset_breaker(conn: AsyncConnection, tenant_id: str, origin: str) -> bool:
+    result = await conn.execute(delete(breakers).where(breakers.c.tenant_id == tenant_id,
+                                                       breakers.c.origin == origin))
+    return result.rowcount > 0

@@ -1,0 +1,221 @@
+"""A local AdCP webhook receiver for the demo, the end-to-end tests and ``outboxd bench``.
+
+It verifies every RFC 9421 signature independently of the daemon's signer (with the
+``http_message_signatures`` library, or the ``adcp`` SDK's verifier when asked), records
+every arrival as a JSON line, and behaves as the URL path says, so one process can play
+healthy, flaky, hostile and hanging buyers at once:
+
+    /ok                   200
+    /flaky/N              503 for the first N arrivals of each idempotency key, then 200
+    /status/CODE          always CODE (401 carries a webhook_signature_invalid challenge)
+    /hang                 accepts and never answers
+    /chaos/PCT            PCT % of requests fail at random: 500, slow, reset or hang
+
+Loopback only: it binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import json
+import random
+import socket
+import struct
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import IO, Any
+
+Verifier = Callable[[str, str, dict[str, str], bytes], str | None]
+
+
+def library_verifier(public_jwks: dict[str, Any]) -> Verifier:
+    """Verify with ``http_message_signatures`` (RFC 9421), AdCP webhook profile checks on top."""
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+    from http_message_signatures import HTTPMessageVerifier, algorithms
+    from http_message_signatures.resolvers import HTTPSignatureKeyResolver
+
+    def _b64(value: str) -> bytes:
+        return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+
+    keys: dict[str, tuple[Any, Any]] = {}
+    for jwk in public_jwks.get("keys", []):
+        if jwk.get("kty") == "OKP":
+            keys[jwk["kid"]] = (ed25519.Ed25519PublicKey.from_public_bytes(_b64(jwk["x"])), algorithms.ED25519)
+        else:
+            numbers = ec.EllipticCurvePublicNumbers(int.from_bytes(_b64(jwk["x"]), "big"),
+                                                    int.from_bytes(_b64(jwk["y"]), "big"), ec.SECP256R1())
+            keys[jwk["kid"]] = (numbers.public_key(), algorithms.ECDSA_P256_SHA256)
+
+    class _Keys(HTTPSignatureKeyResolver):
+        def resolve_public_key(self, key_id: str) -> Any:
+            return keys[key_id][0]
+
+    def verify(method: str, url: str, headers: dict[str, str], body: bytes) -> str | None:
+        sig_input = headers.get("signature-input", "")
+        if 'tag="adcp/webhook-signing/v1"' not in sig_input:
+            return "webhook_signature_tag_invalid"
+        kid = sig_input.split('keyid="', 1)[-1].split('"', 1)[0]
+        if kid not in keys:
+            return "webhook_signature_key_unknown"
+        # AdCP webhook v1 sends Signature as unpadded base64url (adcp-webhooks.md §2.1);
+        # RFC 8941 byte sequences are padded standard base64: translate before verifying.
+        label, _, value = headers.get("signature", "").partition("=")
+        raw = _b64(value.strip(":"))
+        converted = {**headers, "signature": f"{label}=:{base64.b64encode(raw).decode()}:"}
+        message = SimpleNamespace(method=method, url=url, headers=converted)
+        try:
+            HTTPMessageVerifier(signature_algorithm=keys[kid][1], key_resolver=_Keys()).verify(
+                message, max_age=__import__("datetime").timedelta(seconds=360),
+                expect_tag="adcp/webhook-signing/v1",
+                require_components=("@method", "@target-uri", "@authority", "content-type", "content-digest"),
+                body=body)
+        except Exception as exc:
+            return f"webhook_signature_invalid ({type(exc).__name__})"
+        return None
+
+    return verify
+
+
+def adcp_verifier(public_jwks: dict[str, Any]) -> Verifier:
+    """Verify with the ``adcp`` SDK's ``verify_webhook_signature`` and a static JWKS."""
+    from adcp.signing import StaticJwksResolver
+    from adcp.webhooks import WebhookVerifyOptions, verify_webhook_signature
+
+    resolver = StaticJwksResolver(public_jwks)
+
+    def verify(method: str, url: str, headers: dict[str, str], body: bytes) -> str | None:
+        try:
+            verify_webhook_signature(method=method, url=url, headers=headers, body=body,
+                                     options=WebhookVerifyOptions(jwks_resolver=resolver))
+        except Exception as exc:
+            return getattr(exc, "code", None) or type(exc).__name__
+        return None
+
+    return verify
+
+
+class Receiver:
+    def __init__(self, verifier: Verifier | None, log: IO[str] | None, *, seed: int = 0) -> None:
+        self._verify = verifier
+        self._log = log
+        self._seen: Counter[str] = Counter()
+        self._random = random.Random(seed)
+        self.arrivals = 0
+        self.failures = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                status, extra = await self._respond(method, target, headers, body, writer)
+                if status is None:
+                    return
+                writer.write(f"HTTP/1.1 {status} X\r\nContent-Length: 0\r\n{extra}\r\n".encode())
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def _respond(self, method: str, target: str, headers: dict[str, str], body: bytes,
+                       writer: asyncio.StreamWriter) -> tuple[int | None, str]:
+        self.arrivals += 1
+        url = f"http://{headers.get('host', '')}{target}"
+        problem = self._verify(method, url, headers, body) if self._verify and "signature" in headers else None
+        try:
+            key = json.loads(body).get("idempotency_key", "")
+        except ValueError:
+            key = ""
+        self._seen[key] += 1
+        parts = target.split("?")[0].strip("/").split("/")
+        status: int | None = 200
+        extra = ""
+        if problem is not None:
+            self.failures += 1
+            status, extra = 401, f'WWW-Authenticate: Signature error="{problem.split()[0]}"\r\n'
+        elif parts[0] == "flaky" and self._seen[key] <= int(parts[1]):
+            status = 503
+        elif parts[0] == "status":
+            status = int(parts[1])
+            if status == 401:
+                extra = 'WWW-Authenticate: Signature error="webhook_signature_invalid"\r\n'
+        elif parts[0] == "hang":
+            status = None
+        elif parts[0] == "chaos" and self._random.random() * 100 < float(parts[1]):
+            status = await self._chaos(writer)
+        if self._log is not None:
+            self._log.write(json.dumps({
+                "t": time.time(), "path": target.split("?")[0], "key": key, "status": status,
+                "sha256": hashlib.sha256(body).hexdigest(), "verified": problem is None and "signature" in headers,
+                "problem": problem, "signature_input": headers.get("signature-input"),
+                "content_digest": headers.get("content-digest"),
+            }) + "\n")
+            self._log.flush()
+        if status is None:
+            await asyncio.sleep(3600)
+        return status, extra
+
+    async def _chaos(self, writer: asyncio.StreamWriter) -> int | None:
+        kind = self._random.choice(["500", "slow", "reset", "hang"])
+        if kind == "slow":
+            await asyncio.sleep(self._random.uniform(0.5, 3.0))
+            return 200
+        if kind == "reset":
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            raise ConnectionError("reset on purpose")
+        return None if kind == "hang" else 500
+
+
+async def serve(receiver: Receiver, port: int = 0) -> asyncio.Server:
+    return await asyncio.start_server(receiver.handle, "127.0.0.1", port, backlog=1024)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m supervisor.receiver --jwks FILE --port-file FILE --log FILE``"""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jwks", help="public JWKS to verify signatures with (omit: no verification)")
+    parser.add_argument("--verifier", choices=["library", "adcp"], default="library")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--port-file", help="write the bound port here once listening")
+    parser.add_argument("--log", help="append one JSON line per arrival here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    verifier = None
+    if args.jwks:
+        jwks = json.loads(Path(args.jwks).read_text())
+        verifier = (adcp_verifier if args.verifier == "adcp" else library_verifier)(jwks)
+    log = open(args.log, "a") if args.log else None
+
+    async def run() -> None:
+        server = await serve(Receiver(verifier, log, seed=args.seed), args.port)
+        port = server.sockets[0].getsockname()[1]
+        if args.port_file:
+            tmp = Path(args.port_file + ".tmp")
+            tmp.write_text(str(port))
+            tmp.rename(args.port_file)
+        print(port, flush=True)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Real processes for end-to-end tests: the daemon (``outboxd run``) and the receiver.
+
+Both run as subprocesses of the test, on 127.0.0.1, and are killed for real (SIGKILL)
+when a test wants to prove that nothing is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from supervisor.signing import generate_signing_key_pem, load_signing_key
+
+KEY_ID = "e2e-key"
+
+
+def make_key(directory: Path, alg: str = "ed25519") -> tuple[Path, Path]:
+    """A signing key PEM and the matching public JWKS file."""
+    pem = directory / "signing-key.pem"
+    pem.write_bytes(generate_signing_key_pem(alg))
+    jwks = directory / "jwks.json"
+    jwks.write_text(json.dumps({"keys": [load_signing_key(pem, KEY_ID).public_jwk()]}))
+    return pem, jwks
+
+
+def daemon_env(database_url: str, key: Path, **extra: Any) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update({
+        "OUTBOX_DATABASE_URL": database_url,
+        "OUTBOX_SIGNING_KEY_FILE": str(key),
+        "OUTBOX_SIGNING_KEY_ID": KEY_ID,
+        "OUTBOX_ALLOW_HTTP": "true",
+        "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
+        "OUTBOX_LOG_FORMAT": "json",
+        "OUTBOX_CONNECT_TIMEOUT_SECONDS": "2",
+        "OUTBOX_READ_TIMEOUT_SECONDS": "2",
+        "OUTBOX_LEASE_SECONDS": "5",
+        "OUTBOX_RETRY_BASE_SECONDS": "0.5",
+        "OUTBOX_RETRY_MAX_SECONDS": "5",
+        "OUTBOX_POLL_INTERVAL_SECONDS": "0.5",
+        "OUTBOX_SHUTDOWN_GRACE_SECONDS": "3",
+    })
+    env.update({f"OUTBOX_{k.upper()}": str(v) for k, v in extra.items()})
+    return env
+
+
+def start_daemon(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    handle = open(log, "ab")
+    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run"], env=env, stdout=handle,
+                            stderr=subprocess.STDOUT)
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(timeout)
+
+
+@contextmanager
+def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver"
+             ) -> Iterator[tuple[int, Path]]:
+    """A receiver process; yields (port, arrivals JSONL file)."""
+    port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
+    args = [sys.executable, "-m", "supervisor.receiver", "--port-file", str(port_file), "--log", str(log),
+            "--verifier", verifier]
+    if jwks is not None:
+        args += ["--jwks", str(jwks)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("receiver did not start")
+            time.sleep(0.05)
+        log.touch()
+        yield int(port_file.read_text()), log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def arrivals(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,563 @@
+"""supervisor.transport.HttpSender against real sockets on 127.0.0.1.
+
+Every peer is a small asyncio server written here, so each test controls the exact bytes
+(and resets, stalls, garbage) a hostile receiver can produce. Host names such as
+``buyer.test`` are answered by a stub resolver; nothing ever leaves loopback: the
+``_loopback_only`` guard refuses (and records) any TCP connect to another address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import socket
+import ssl
+import struct
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from outbox.config import Settings
+from supervisor.transport import RESPONSE_BODY_CAP, HttpSender, _default_resolver
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
+SECRET = "SECRET123456"
+
+
+# --------------------------------------------------------------------------- guard
+
+
+@pytest.fixture(autouse=True)
+def connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every host httpcore asked to connect to; a non-loopback one is refused outright."""
+    seen: list[str] = []
+    real = anyio.connect_tcp
+
+    async def guarded(remote_host, remote_port, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(str(remote_host))
+        try:  # a host name here would mean a second, unvetted resolution
+            loopback = ipaddress.ip_address(str(remote_host)).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise OSError("test guard: only loopback IP addresses may be contacted")
+        return await real(remote_host, remote_port, **kwargs)
+
+    monkeypatch.setattr(anyio, "connect_tcp", guarded)
+    return seen
+
+
+# --------------------------------------------------------------------------- peer
+
+
+@dataclass
+class Request:
+    line: str
+    headers: dict[str, str]
+    body: bytes
+
+
+Handler = Callable[[Request, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+
+
+@dataclass
+class Peer:
+    """An HTTP/1.1-ish server on 127.0.0.1 whose answers are written by ``handler``.
+
+    The handler returns True to keep the connection open for another request.
+    """
+
+    handler: Handler
+    ssl_context: ssl.SSLContext | None = None
+    connections: int = 0
+    requests: list[Request] = field(default_factory=list)
+    port: int = 0
+    _server: asyncio.Server | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def start(self) -> Peer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.ssl_context)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                line, *lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in lines if h)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                request = Request(line, headers, body)
+                self.requests.append(request)
+                if not await self.handler(request, reader, writer):
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+
+def response(status: int, body: bytes = b"ok", extra: str = "", reason: str = "X") -> bytes:
+    return f"HTTP/1.1 {status} {reason}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+async def ok(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    writer.write(response(200, b'{"ok":true}', reason="OK"))
+    await writer.drain()
+    return True
+
+
+@pytest.fixture
+async def peers():  # type: ignore[no-untyped-def]
+    started: list[Peer] = []
+
+    async def start(handler: Handler = ok, ssl_context: ssl.SSLContext | None = None) -> Peer:
+        peer = await Peer(handler, ssl_context).start()
+        started.append(peer)
+        return peer
+
+    yield start
+    for peer in started:
+        await peer.stop()
+
+
+def settings(**kw: object) -> Settings:
+    base: dict[str, object] = dict(
+        allow_http=True, allowed_cidrs=LOOPBACK, connect_timeout_seconds=0.5, read_timeout_seconds=0.5
+    )
+    base.update(kw)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def senders():  # type: ignore[no-untyped-def]
+    made: list[HttpSender] = []
+
+    def make(s: Settings | None = None, **kw: object) -> HttpSender:
+        sender = HttpSender(s or settings(), **kw)  # type: ignore[arg-type]
+        made.append(sender)
+        return sender
+
+    yield make
+    for sender in made:
+        await sender.aclose()
+
+
+BODY = b'{"idempotency_key":"whk_0123456789abcdef"}'
+HEADERS = {"Content-Type": "application/json"}
+
+
+# --------------------------------------------------------------------------- happy path
+
+
+async def test_keep_alive_reuses_one_connection(peers, senders) -> None:
+    peer = await peers()
+    sender = senders()
+    for _ in range(3):
+        result = await sender.post(f"http://127.0.0.1:{peer.port}/hook", BODY, HEADERS)
+        assert result.status == 200 and result.error_kind is None and result.error is None
+        assert result.body == b'{"ok":true}'
+        assert result.headers["content-length"] == "11"
+    assert peer.connections == 1
+    assert [r.body for r in peer.requests] == [BODY] * 3
+    assert peer.requests[0].line == "POST /hook HTTP/1.1"
+    assert peer.requests[0].headers["content-type"] == "application/json"
+    assert peer.requests[0].headers["accept-encoding"] == "identity"
+
+
+async def test_pool_is_bounded_by_endpoint_concurrency(peers, senders) -> None:
+    async def slow_ok(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.05)
+        return await ok(request, reader, writer)
+
+    peer = await peers(slow_ok)
+    sender = senders(settings(endpoint_concurrency=2))
+    results = await asyncio.gather(
+        *(sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS) for _ in range(8))
+    )
+    assert [r.status for r in results] == [200] * 8
+    assert peer.connections == 2
+
+
+async def test_redirect_is_returned_not_followed(peers, senders) -> None:
+    async def redirect(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        writer.write(response(302, b"", f"Location: http://127.0.0.1:{peer.port}/elsewhere\r\n"))
+        await writer.drain()
+        return True
+
+    peer = await peers(redirect)
+    result = await senders().post(f"http://127.0.0.1:{peer.port}/hook", BODY, HEADERS)
+    assert result.status == 302 and result.error_kind is None
+    assert result.headers["location"].endswith("/elsewhere")
+    assert len(peer.requests) == 1
+
+
+async def test_lru_evicts_and_closes_old_origins(peers, senders) -> None:
+    first, second = await peers(), await peers()
+    sender = senders(max_origins=1)
+    assert (await sender.post(f"http://127.0.0.1:{first.port}/", BODY, HEADERS)).status == 200
+    assert (await sender.post(f"http://127.0.0.1:{second.port}/", BODY, HEADERS)).status == 200
+    assert list(sender._origins) == [f"http://127.0.0.1:{second.port}"]
+    for _ in range(50):  # the evicted client's idle connection gets closed
+        if not first._tasks:
+            break
+        await asyncio.sleep(0.01)
+    assert not first._tasks
+    assert (await sender.post(f"http://127.0.0.1:{first.port}/", BODY, HEADERS)).status == 200
+    assert first.connections == 2
+
+
+async def test_default_resolver_returns_address_strings() -> None:
+    assert await _default_resolver("127.0.0.1", 443) == ["127.0.0.1"]
+
+
+# --------------------------------------------------------------------------- SSRF
+
+
+async def test_loopback_blocked_without_allowed_cidrs(peers, senders) -> None:
+    peer = await peers()
+    result = await senders(settings(allowed_cidrs=())).post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    assert (result.status, result.error_kind) == (None, "blocked")
+    assert result.error == "destination address is not allowed (loopback)"
+    assert peer.connections == 0
+
+
+async def test_private_name_blocked_and_resolver_text_never_leaks(peers, senders, connects) -> None:
+    async def private(host: str, port: int) -> list[str]:
+        return ["192.168.1.10"]
+
+    async def broken(host: str, port: int) -> list[str]:
+        raise socket.gaierror(-2, "Name or service not known: internal-dns-10.1.2.3")
+
+    result = await senders(resolver=private).post("https://buyer.test/hook", BODY, HEADERS)
+    assert (result.error_kind, result.error) == ("blocked", "destination address is not allowed (private)")
+    result = await senders(resolver=broken).post("https://buyer.test/hook", BODY, HEADERS)
+    assert result.error_kind == "connection_error"
+    assert "10.1.2.3" not in (result.error or "") and "Name or service" not in (result.error or "")
+    assert connects == []
+
+
+async def test_any_blocked_answer_blocks_the_host(peers, senders) -> None:
+    peer = await peers()
+
+    async def mixed(host: str, port: int) -> list[str]:
+        return ["127.0.0.1", "10.0.0.1"]
+
+    result = await senders(resolver=mixed).post(f"http://buyer.test:{peer.port}/", BODY, HEADERS)
+    assert result.error_kind == "blocked" and peer.connections == 0
+
+
+async def test_http_blocked_unless_allow_http(peers, senders) -> None:
+    peer = await peers()
+    result = await senders(settings(allow_http=False)).post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    assert result.error_kind == "blocked" and "https" in (result.error or "")
+    assert peer.connections == 0
+    for url in ("ftp://127.0.0.1/x", "not a url", "https://exa mple.com/"):
+        assert (await senders().post(url, BODY, HEADERS)).error_kind == "blocked"
+
+
+async def test_metadata_ip_blocked_even_inside_allowed_cidr(senders, connects) -> None:
+    s = settings(allowed_cidrs=(ipaddress.ip_network("169.254.0.0/16"),))
+    for url in ("https://169.254.169.254/latest/meta-data/", "http://169.254.169.254/"):
+        result = await senders(s).post(url, BODY, HEADERS)
+        assert (result.error_kind, result.error) == ("blocked", "destination address is not allowed (cloud metadata)")
+    assert connects == []
+
+
+async def test_ipv4_mapped_ipv6_literal_blocked(senders, connects) -> None:
+    result = await senders(settings(allowed_cidrs=())).post("https://[::ffff:10.0.0.1]/hook", BODY, HEADERS)
+    assert result.error_kind == "blocked" and "IPv4 embedded in IPv6" in (result.error or "")
+    assert connects == []
+
+
+class Rebinder:
+    """A DNS stub for buyer.test: 127.0.0.1 first, then 10.0.0.1 (a rebinding attack)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        assert host == "buyer.test"
+        self.calls += 1
+        return ["127.0.0.1"] if self.calls == 1 else ["10.0.0.1"]
+
+
+async def test_dns_rebinding_pinned_address_is_reused(peers, senders, connects) -> None:
+    peer = await peers()
+    resolver = Rebinder()
+    sender = senders(resolver=resolver, dns_ttl_seconds=3600)
+    for _ in range(4):
+        result = await sender.post(f"http://buyer.test:{peer.port}/hook?x=1", BODY, HEADERS)
+        assert result.status == 200
+    assert resolver.calls == 1
+    assert [r.headers["host"] for r in peer.requests] == [f"buyer.test:{peer.port}"] * 4
+    assert peer.requests[0].line == "POST /hook?x=1 HTTP/1.1"
+    assert set(connects) == {"127.0.0.1"}
+
+
+async def test_dns_rebinding_after_ttl_is_blocked(peers, senders, connects) -> None:
+    peer = await peers()
+    sender = senders(resolver=Rebinder(), dns_ttl_seconds=0)
+    assert (await sender.post(f"http://buyer.test:{peer.port}/hook", BODY, HEADERS)).status == 200
+    second = await sender.post(f"http://buyer.test:{peer.port}/hook", BODY, HEADERS)
+    assert (second.error_kind, second.error) == ("blocked", "destination address is not allowed (private)")
+    assert len(peer.requests) == 1
+    assert "10.0.0.1" not in connects
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+def _self_signed(host: str) -> tuple[bytes, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+async def test_https_sni_uses_url_host_while_connecting_to_pinned_ip(peers, senders, tmp_path, connects) -> None:
+    cert_pem, key_pem = _self_signed("buyer.test")
+    (tmp_path / "cert.pem").write_bytes(cert_pem)
+    (tmp_path / "key.pem").write_bytes(key_pem)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    sni: list[str | None] = []
+    server_ctx.sni_callback = lambda sslobj, name, ctx: sni.append(name)  # type: ignore[assignment,misc,return-value]
+    peer = await peers(ssl_context=server_ctx)
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return {"buyer.test": ["127.0.0.1"]}[host]
+
+    client_ctx = ssl.create_default_context(cadata=cert_pem.decode())
+    sender = senders(settings(allow_http=False), resolver=resolver, verify=client_ctx)
+    for _ in range(2):
+        result = await sender.post(f"https://buyer.test:{peer.port}/hook", BODY, HEADERS)
+        assert result.status == 200, result
+    assert sni == ["buyer.test"] and peer.connections == 1
+    assert peer.requests[0].headers["host"] == f"buyer.test:{peer.port}"
+    assert set(connects) == {"127.0.0.1"}
+
+    # The same server under another name: the certificate check must fail, not be skipped.
+    async def other(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    wrong = await senders(settings(allow_http=False), resolver=other, verify=client_ctx).post(
+        f"https://other.test:{peer.port}/hook?token={SECRET}", BODY, HEADERS
+    )
+    assert wrong.error_kind == "connection_error"
+    assert wrong.error == "ConnectError: TLS certificate verification failed"
+    # A file path works as verify too.
+    by_path = senders(settings(allow_http=False), resolver=resolver, verify=str(tmp_path / "cert.pem"))
+    assert (await by_path.post(f"https://buyer.test:{peer.port}/", BODY, HEADERS)).status == 200
+
+
+# --------------------------------------------------------------------------- hostile receivers
+
+
+async def _never(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+    await asyncio.sleep(3600)
+    return False
+
+
+async def _reset(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()  # close with linger 0: the kernel sends RST
+    return False
+
+
+async def _slow(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+    await asyncio.sleep(1.5)
+    return await ok(request, reader, writer)
+
+
+async def _garbage(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+    writer.write(b"SSH-2.0-OpenSSH_9.6 totally not http\r\n\r\n")
+    await writer.drain()
+    return False
+
+
+async def _half_body(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 100)
+    await writer.drain()
+    return False
+
+
+async def _hang_up(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+    return False
+
+
+async def _trickle(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+    while True:  # one byte per 0.2 s: each read is within the read timeout, forever
+        writer.write(b"x")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("handler", "kind", "error", "max_seconds"),
+    [
+        (_reset, "connection_error", "ReadError: connection reset by peer", 0.5),
+        (_never, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
+        (_slow, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
+        (_garbage, "protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1", 0.5),
+        (_half_body, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
+        (_hang_up, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
+        (_trickle, "timeout", "DeadlineExceeded: attempt exceeded connect + read timeout", 1.5),
+    ],
+    ids=["reset", "never-answers", "slower-than-timeout", "garbage", "closed-mid-body", "closed-no-response", "trickle"],
+)
+async def test_hostile_receiver(peers, senders, handler, kind, error, max_seconds) -> None:
+    peer = await peers(handler)
+    started = time.monotonic()
+    result = await senders().post(f"http://127.0.0.1:{peer.port}/hook?token={SECRET}", BODY, HEADERS)
+    took = time.monotonic() - started
+    assert (result.status, result.error_kind, result.error) == (None, kind, error)
+    assert result.body == b"" and dict(result.headers) == {}
+    assert took < max_seconds and abs(result.elapsed_ms - took * 1000) < 50
+    assert len(peer.requests) == 1
+
+
+async def test_deadline_frees_the_pool_slot(peers, senders) -> None:
+    calls = 0
+
+    async def trickle_once(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return await _trickle(request, reader, writer)
+        return await ok(request, reader, writer)
+
+    peer = await peers(trickle_once)
+    sender = senders(settings(endpoint_concurrency=1))
+    first = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    assert first.error_kind == "timeout"
+    second = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    assert second.status == 200 and peer.connections == 2
+
+
+async def test_header_injection_is_a_local_protocol_error(peers, senders) -> None:
+    peer = await peers()
+    bad = {"Content-Type": "application/json", "X-Evil": f"a\r\nX-Token: {SECRET}"}
+    result = await senders().post(f"http://127.0.0.1:{peer.port}/", BODY, bad)
+    assert (result.error_kind, result.error) == (
+        "protocol_error",
+        "LocalProtocolError: request could not be encoded as valid HTTP",
+    )
+    assert peer.requests == []
+
+
+async def test_connection_refused(senders) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = await senders().post(f"http://127.0.0.1:{port}/?token={SECRET}", BODY, HEADERS)
+    assert (result.error_kind, result.error) == ("connection_error", "ConnectError: connection refused")
+
+
+async def test_huge_body_is_capped_and_not_read(peers, senders) -> None:
+    total = 5 * 1024 * 1024
+    chunk = b"y" * 65536
+
+    async def huge(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {total}\r\n\r\n".encode())
+        for _ in range(total // len(chunk)):
+            writer.write(chunk)
+            await writer.drain()
+        return True
+
+    peer = await peers(huge)
+    sender = senders()
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        result = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+        took = time.monotonic() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.status == 200 and result.error_kind is None
+    assert len(result.body) == RESPONSE_BODY_CAP and set(result.body) == {ord("y")}
+    assert took < 0.5
+    assert peak < 1024 * 1024, peak  # nowhere near 5 MiB held in memory
+    # The unread connection is discarded, not reused with 5 MiB pending in it.
+    assert (await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)).status == 200
+    assert peer.connections == 2
+
+
+async def test_retry_after_is_passed_through(peers, senders) -> None:
+    async def busy(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        writer.write(response(503, b"busy", "Retry-After: 120\r\nX-Mixed-Case: Yes\r\n"))
+        await writer.drain()
+        return True
+
+    peer = await peers(busy)
+    result = await senders().post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    assert (result.status, result.body, result.error_kind) == (503, b"busy", None)
+    assert result.headers["retry-after"] == "120" and result.headers["x-mixed-case"] == "Yes"
+
+
+async def test_errors_never_contain_the_query_string(peers, senders) -> None:
+    async def private(host: str, port: int) -> list[str]:
+        return ["10.9.8.7"]
+
+    peer = await peers(_garbage)
+    cases = [
+        await senders().post(f"http://127.0.0.1:{peer.port}/p?token={SECRET}", BODY, HEADERS),
+        await senders(resolver=private).post(f"https://buyer.test/p?token={SECRET}", BODY, HEADERS),
+        await senders(settings(allow_http=False)).post(f"http://127.0.0.1:1/p?token={SECRET}", BODY, HEADERS),
+        await senders().post(f"http://127.0.0.1:1/p?token={SECRET}", BODY, HEADERS),
+        await senders().post(f"http://127.0.0.1:99999/p?token={SECRET}", BODY, HEADERS),
+    ]
+    for result in cases:
+        assert result.error_kind is not None
+        assert result.error and len(result.error) <= 200
+        assert SECRET not in result.error and "token" not in result.error and "10.9.8.7" not in result.error
+        assert SECRET not in repr(result)
+
+
+async def test_closed_sender_refuses(senders) -> None:
+    sender = senders()
+    await sender.aclose()
+    with pytest.raises(RuntimeError):
+        await sender.post("https://buyer.test/", BODY, HEADERS)
