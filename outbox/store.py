@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, text, tuple_
+from sqlalchemy import Text, bindparam, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breakers
@@ -71,7 +71,7 @@ class _Statements:
             RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, auth_mode, auth_secret,
                       sequence_number, notification_type, attempts, retry_until, created_at, trigger,
                       {now} AS claimed_at
-        """).bindparams(bindparam("busy", expanding=True))
+        """).bindparams(bindparam("busy", expanding=True, type_=Text()))
         # RETURNING must name bare columns (SQLite), so the row source avoids the table's names.
         completion = _json_rows(pg, [
             ("mid", "int"), ("tok", "text"), ("new_state", "text"), ("new_reason", "text"),

@@ -175,6 +175,10 @@ def validate_destination(
         raise OutboxValidationError("url", f"longer than {MAX_URL_LENGTH} characters")
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         raise OutboxValidationError("url", "contains whitespace or control characters")
+    path_and_query = url.split("://", 1)[-1].partition("/")[2]
+    if not path_and_query.isascii():
+        # An RFC 9421 signature base is ASCII: percent-encode path and query (IDN hosts are fine).
+        raise OutboxValidationError("url", "path or query has non-ASCII characters: percent-encode them")
     try:
         parts = urlsplit(url)
     except ValueError as exc:

@@ -26,7 +26,7 @@ class Outcome:
     """What happened to one leased message, ready to be recorded."""
 
     message: Claimed
-    action: str  # delivered | retry | dead | skip (circuit open: not attempted)
+    action: str  # delivered | retry | dead | skip (circuit open) | release (over the endpoint's limit)
     outcome: str  # attempt outcome: success | failed | timeout | connection_error | circuit_open | abandoned
     reason: str | None = None  # dead reason
     http_status: int | None = None

@@ -101,6 +101,11 @@ class Claimer:
             if gate is not None:
                 self._submit(gate)
                 continue
+            if self._per_origin[message.origin or ""] >= self._settings.endpoint_concurrency:
+                # One claim may return more of an endpoint than it may have in flight: hand
+                # the rest back untouched (no attempt made, none counted, due again now).
+                self._submit(Outcome(message, "release", "released"))
+                continue
             self._per_origin[message.origin or ""] += 1
             self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))
         self._metrics.in_flight.set(self.in_flight)

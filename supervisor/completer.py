@@ -105,7 +105,8 @@ class Completer:
             now = await store.db_now(conn)
             plans = [self._plan(outcome, now) for outcome in batch]
             applied = await store.complete(conn, [completion for completion, _ in plans])
-            records = [record for (completion, record) in plans if completion.message_id in applied]
+            records = [record for (completion, record) in plans
+                       if completion.message_id in applied and record.outcome != "released"]
             await store.insert_attempts(conn, [r.as_row() for r in records])
             transitions = await self._update_breakers(conn, batch, applied, now)
         self._after_commit(batch, plans, applied, transitions, now)
@@ -119,6 +120,8 @@ class Completer:
             state, reason = "dead", o.reason
         elif o.action == "skip":
             next_at, delta = now + (o.defer_seconds or 1.0), -1
+        elif o.action == "release":
+            next_at, delta = now, -1
         else:  # retry, or abandoned at shutdown
             delay = self._policies.retry.delay_for_attempt(m.attempt)
             next_at = now + max(delay, o.retry_after or 0.0)
@@ -169,6 +172,8 @@ class Completer:
             metrics.breaker_transitions.labels(from_state=before, to_state=after).inc()
         for o, (completion, record) in zip(batch, plans):
             m = o.message
+            if o.action == "release":
+                continue
             labels = metrics.tenant_labels(m.tenant_id)
             metrics.attempts.labels(outcome=o.outcome, status_class=status_class(o.http_status), **labels).inc()
             if o.response_time_ms is not None:

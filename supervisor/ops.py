@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, func, or_, select
+from sqlalchemy import Select, and_, delete, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
@@ -47,7 +47,7 @@ class Filters:
             conditions.append(messages.c.created_at >= self.since)
         if self.until is not None:
             conditions.append(messages.c.created_at < self.until)
-        return query.where(and_(*conditions)).order_by(messages.c.id).limit(self.limit)
+        return query.where(and_(true(), *conditions)).order_by(messages.c.id).limit(self.limit)
 
 
 def _message(row: Any) -> dict[str, Any]:

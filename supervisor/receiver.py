@@ -6,7 +6,7 @@ every arrival as a JSON line, and behaves as the URL path says, so one process c
 healthy, flaky, hostile and hanging buyers at once:
 
     /ok                   200
-    /flaky/N              503 for the first N arrivals of each idempotency key, then 200
+    /flaky/N[/CODE]       CODE (default 503) for the first N arrivals of each key, then 200
     /status/CODE          always CODE (401 carries a webhook_signature_invalid challenge)
     /hang                 accepts and never answers
     /chaos/PCT            PCT % of requests fail at random: 500, slow, reset or hang
@@ -85,8 +85,8 @@ def library_verifier(public_jwks: dict[str, Any]) -> Verifier:
 
 def adcp_verifier(public_jwks: dict[str, Any]) -> Verifier:
     """Verify with the ``adcp`` SDK's ``verify_webhook_signature`` and a static JWKS."""
-    from adcp.signing import StaticJwksResolver
-    from adcp.webhooks import WebhookVerifyOptions, verify_webhook_signature
+    from adcp.signing import StaticJwksResolver  # adcp.webhooks would cost ~17 s to import
+    from adcp.signing.webhook_verifier import WebhookVerifyOptions, verify_webhook_signature
 
     resolver = StaticJwksResolver(public_jwks)
 
@@ -145,7 +145,7 @@ class Receiver:
             self.failures += 1
             status, extra = 401, f'WWW-Authenticate: Signature error="{problem.split()[0]}"\r\n'
         elif parts[0] == "flaky" and self._seen[key] <= int(parts[1]):
-            status = 503
+            status = int(parts[2]) if len(parts) > 2 else 503
         elif parts[0] == "status":
             status = int(parts[1])
             if status == 401:

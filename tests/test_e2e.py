@@ -1,0 +1,213 @@
+"""End to end: the real ``outboxd run`` process against real receivers on 127.0.0.1.
+
+The receiver verifies every signature with the ``adcp`` SDK's ``verify_webhook_signature``
+and a static JWKS, so a passing test also proves the SDK accepts what the daemon sends.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import signal
+import time
+
+import pytest
+from sqlalchemy import func, select
+
+import outbox
+from outbox.schema import attempts, breakers, messages
+from tests import procs
+
+pytestmark = pytest.mark.e2e
+SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
+
+
+def enqueue_many(engine, base: str, paths: list[str], *, tenants: int = 1, per_txn: int = 200) -> list[str]:
+    """Enqueue one terminal task webhook per path, ``per_txn`` per seller transaction."""
+    keys = []
+    for start in range(0, len(paths), per_txn):
+        with engine.begin() as conn:
+            for i, path in enumerate(paths[start:start + per_txn], start):
+                keys.append(outbox.enqueue_task_webhook(
+                    conn, tenant_id=f"tenant-{i % tenants}", task_id=f"task_{i}", task_type="create_media_buy",
+                    status="completed", result={"media_buy_id": f"mb_{i}"}, settings=SETTINGS,
+                    push_notification_config={"url": f"{base}{path}", "operation_id": f"op_{i}",
+                                              "token": "e2e-token-0123456789"}).idempotency_key)
+    return keys
+
+
+def states(engine) -> collections.Counter:
+    with engine.connect() as conn:
+        return collections.Counter(dict(conn.execute(select(messages.c.state, func.count())
+                                                     .group_by(messages.c.state)).all()))
+
+
+def breaker_state(engine, tenant: str) -> str | None:
+    with engine.connect() as conn:
+        return conn.execute(select(breakers.c.state).where(breakers.c.tenant_id == tenant)).scalar()
+
+
+def finished(engine, total: int) -> bool:
+    counts = states(engine)
+    return counts["delivered"] + counts["dead"] == total
+
+
+def check_exact_bytes_and_log(engine, log) -> dict[str, list[dict]]:
+    """Every arrival verified; all arrivals of one key carry identical bytes; attempts cover 1..n."""
+    by_key: dict[str, list[dict]] = collections.defaultdict(list)
+    for arrival in procs.arrivals(log):
+        assert arrival["verified"], arrival
+        by_key[arrival["key"]].append(arrival)
+    for key, seen in by_key.items():
+        assert len({a["sha256"] for a in seen}) == 1, f"{key} arrived with different bytes"
+        assert len({a["content_digest"] for a in seen}) == 1
+    with engine.connect() as conn:
+        logged = collections.defaultdict(set)
+        for message_id, number in conn.execute(select(attempts.c.message_id, attempts.c.attempt_number)
+                                               .where(attempts.c.outcome != "circuit_open")):
+            logged[message_id].add(number)
+        for row in conn.execute(select(messages.c.id, messages.c.attempts)):
+            assert logged[row.id] >= set(range(1, row.attempts + 1)), f"message {row.id} has unlogged attempts"
+    return by_key
+
+
+@pytest.fixture
+def keypair(tmp_path):
+    return procs.make_key(tmp_path)
+
+
+def test_status_classes_and_adcp_conformance_retry(pg_engine, pg_url, tmp_path, keypair):
+    key, jwks = keypair
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        base = f"http://127.0.0.1:{port}"
+        paths = ["/flaky/3", "/status/409", "/status/401", "/status/410", "/status/302", "/status/400",
+                 "/status/429", "/ok"]
+        keys = enqueue_many(pg_engine, base, paths, tenants=len(paths))
+        daemon = procs.start_daemon(procs.daemon_env(pg_url, key, retry_base_seconds=2), tmp_path / "d.log")
+        try:
+            started = time.monotonic()
+            assert procs.wait_until(lambda: len([a for a in procs.arrivals(log) if a["key"] == keys[0]]) >= 4, 60)
+            flaky = [a for a in procs.arrivals(log) if a["key"] == keys[0]]
+            assert [a["status"] for a in flaky[:4]] == [503, 503, 503, 200]
+            # AdCP conformance (adcp-webhooks.md §4.1): >= 2 deliveries within 90 s, one key.
+            assert flaky[1]["t"] - flaky[0]["t"] < 90 and time.monotonic() - started < 90
+        finally:
+            assert procs.stop(daemon) == 0
+        check_exact_bytes_and_log(pg_engine, log)
+    with pg_engine.connect() as conn:
+        rows = {r.idempotency_key: r for r in conn.execute(select(messages))}
+    expected = {"/flaky/3": ("delivered", None), "/status/409": ("dead", "conflict"),
+                "/status/401": ("dead", "signature_rejected"), "/status/410": ("dead", "gone"),
+                "/status/302": ("dead", "rejected"), "/status/400": ("dead", "rejected"),
+                "/ok": ("delivered", None)}
+    for k, path in zip(keys, paths):
+        if path in expected:
+            assert (rows[k].state, rows[k].dead_reason) == expected[path], path
+            if rows[k].state == "dead":
+                assert rows[k].attempts == 1, f"{path} must stop after one attempt"
+    assert rows[keys[6]].state == "pending" and rows[keys[6]].attempts >= 2  # 429 keeps retrying
+
+
+def test_sigkill_ten_times_loses_nothing(pg_engine, pg_url, tmp_path, keypair):
+    key, jwks = keypair
+    rng = random.Random(7)
+    total = 2000
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        paths = [rng.choice(["/ok", "/ok", "/ok", "/flaky/1"]) + f"?n={i}" for i in range(total)]
+        keys = enqueue_many(pg_engine, f"http://127.0.0.1:{port}", paths, tenants=5)
+        # /flaky/1 fails every key once: keep breakers out of this test, it is about kills.
+        env = procs.daemon_env(pg_url, key, concurrency=32, breaker_failure_threshold=100000)
+        for _ in range(10):
+            daemon = procs.start_daemon(env, tmp_path / "d.log")
+            time.sleep(rng.uniform(0.8, 2.5))
+            daemon.send_signal(signal.SIGKILL)
+            daemon.wait()
+        daemon = procs.start_daemon(env, tmp_path / "d.log")
+        try:
+            assert procs.wait_until(lambda: finished(pg_engine, total), 120), states(pg_engine)
+        finally:
+            assert procs.stop(daemon) == 0
+        assert states(pg_engine)["delivered"] == total
+        by_key = check_exact_bytes_and_log(pg_engine, log)
+    assert set(by_key) == set(keys)
+    assert all(any(a["status"] == 200 for a in seen) for seen in by_key.values())
+    with pg_engine.connect() as conn:
+        abandoned = conn.execute(select(func.count()).where(attempts.c.outcome == "abandoned")).scalar_one()
+    assert abandoned > 0, "ten kills mid-run should leave leases to rescue"
+
+
+@pytest.mark.parametrize("daemons", [2, 3])
+def test_several_daemons_never_share_a_message(pg_engine, pg_url, tmp_path, keypair, daemons):
+    key, jwks = keypair
+    total = 5000
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        keys = enqueue_many(pg_engine, f"http://127.0.0.1:{port}", [f"/ok?n={i}" for i in range(total)],
+                            tenants=10, per_txn=1000)
+        env = procs.daemon_env(pg_url, key, concurrency=32)
+        running = [procs.start_daemon(env, tmp_path / f"d{i}.log") for i in range(daemons)]
+        try:
+            assert procs.wait_until(lambda: finished(pg_engine, total), 240), states(pg_engine)
+        finally:
+            assert all(procs.stop(d) == 0 for d in running)
+        by_key = check_exact_bytes_and_log(pg_engine, log)
+    assert set(by_key) == set(keys)
+    assert all(len(seen) == 1 for seen in by_key.values()), "a message was sent twice"
+    with pg_engine.connect() as conn:
+        per_message = conn.execute(select(attempts.c.message_id, func.count(), func.min(attempts.c.daemon_id))
+                                   .group_by(attempts.c.message_id)).all()
+        assert len(per_message) == total and all(n == 1 for _, n, _ in per_message)
+        assert len({d for _, _, d in per_message}) == daemons, "every daemon should have taken a share"
+
+
+def test_breaker_isolates_a_failing_tenant(pg_engine, pg_url, tmp_path, keypair):
+    key, jwks = keypair
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        base = f"http://127.0.0.1:{port}"
+        env = procs.daemon_env(pg_url, key, endpoint_concurrency=2, breaker_open_seconds=60)
+        daemon = procs.start_daemon(env, tmp_path / "d.log")
+        try:
+            time.sleep(1.0)
+            with pg_engine.begin() as conn:
+                for i in range(40):
+                    outbox.enqueue_task_webhook(
+                        conn, tenant_id="sick", task_id=f"s{i}", task_type="create_media_buy", status="completed",
+                        push_notification_config={"url": f"{base}/status/500?i={i}", "operation_id": "op"},
+                        settings=SETTINGS)
+            committed = {}  # enqueued after the sick backlog: must not wait behind it
+            for i in range(20):
+                with pg_engine.begin() as conn:
+                    rec = outbox.enqueue_task_webhook(
+                        conn, tenant_id="well", task_id=f"w{i}", task_type="create_media_buy", status="completed",
+                        push_notification_config={"url": f"{base}/ok?i={i}", "operation_id": "op"},
+                        settings=SETTINGS)
+                committed[rec.idempotency_key] = time.time()
+                time.sleep(0.05)
+            assert procs.wait_until(lambda: all(
+                any(a["key"] == k for a in procs.arrivals(log)) for k in committed), 20)
+            assert procs.wait_until(lambda: breaker_state(pg_engine, "sick") == "open", 20)
+            sick_before = sum(a["path"] == "/status/500" for a in procs.arrivals(log))
+            time.sleep(3.0)
+            sick_after = sum(a["path"] == "/status/500" for a in procs.arrivals(log))
+        finally:
+            assert procs.stop(daemon) == 0
+    arrivals = {a["key"]: a["t"] for a in procs.arrivals(log) if a["path"] == "/ok"}
+    delays = sorted(arrivals[k] - t for k, t in committed.items())
+    assert delays[-1] < 1.0, f"healthy tenant waited {delays[-1]:.2f} s behind the failing one"
+    assert sick_after == sick_before, "the open breaker's endpoint still received requests"
+    assert sick_before <= 5 + 2 + 2, "requests beyond the threshold plus what was already in flight"
+    with pg_engine.connect() as conn:
+        sick_attempts = conn.execute(select(messages.c.attempts).where(messages.c.tenant_id == "sick")).scalars()
+        assert sum(sick_attempts) == sick_before, "messages behind an open breaker burned attempts"
+
+
+def test_sqlite_end_to_end_and_sigterm(sqlite_engine, sqlite_url, tmp_path, keypair):
+    key, jwks = keypair
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        keys = enqueue_many(sqlite_engine, f"http://127.0.0.1:{port}", ["/ok", "/flaky/1"] * 10)
+        daemon = procs.start_daemon(procs.daemon_env(sqlite_url, key), tmp_path / "d.log")
+        try:
+            assert procs.wait_until(lambda: finished(sqlite_engine, 20), 30), states(sqlite_engine)
+        finally:
+            assert procs.stop(daemon, signal.SIGTERM) == 0
+        by_key = check_exact_bytes_and_log(sqlite_engine, log)
+    assert set(by_key) == set(keys) and states(sqlite_engine)["delivered"] == 20
