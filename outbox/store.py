@@ -49,6 +49,10 @@ class _Statements:
         lock = "FOR UPDATE OF m SKIP LOCKED" if pg else ""
         lock_plain = "FOR UPDATE SKIP LOCKED" if pg else ""
         self.now = text(f"SELECT {now}")
+        # The endpoint's breaker comes back with each claimed row, so the claim is one
+        # statement. (The target table is not aliased: SQLite resolves RETURNING only so.)
+        breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
+                   " AND b.origin = outbox_messages.origin)")
         self.claim = text(f"""
             WITH due AS (
                 SELECT m.id AS due_id FROM outbox_messages AS m
@@ -62,15 +66,16 @@ class _Statements:
                 ORDER BY m.next_attempt_at, m.id
                 LIMIT :limit {lock}
             )
-            UPDATE outbox_messages AS m
+            UPDATE outbox_messages
             SET state = 'in_flight', lease_token = :token, lease_expires_at = {now} + :lease,
-                leased_by = :daemon, attempts = m.attempts + 1,
-                first_attempt_at = COALESCE(m.first_attempt_at, {now}),
-                retry_until = COALESCE(m.retry_until, {now} + COALESCE(m.horizon_seconds, :horizon))
-            FROM due WHERE m.id = due.due_id
+                leased_by = :daemon, attempts = attempts + 1,
+                first_attempt_at = COALESCE(first_attempt_at, {now}),
+                retry_until = COALESCE(retry_until, {now} + COALESCE(horizon_seconds, :horizon))
+            FROM due WHERE outbox_messages.id = due.due_id
             RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, auth_mode, auth_secret,
                       sequence_number, notification_type, attempts, retry_until, created_at, trigger,
-                      {now} AS claimed_at
+                      {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
+                      {breaker.format(col="open_until")} AS breaker_open_until
         """).bindparams(bindparam("busy", expanding=True, type_=Text()))
         # RETURNING must name bare columns (SQLite), so the row source avoids the table's names.
         completion = _json_rows(pg, [
@@ -89,9 +94,12 @@ class _Statements:
             WHERE m.id = v.mid AND m.lease_token = v.tok AND m.state = 'in_flight'
             RETURNING id
         """)
+        # Successes restart only when the open period ends: half-open takes one probe at a
+        # time, so the successes that close the breaker accumulate across probes.
         self.acquire_probe = text(f"""
-            UPDATE outbox_breakers SET state = 'half_open', successes = 0, probe_until = {now} + :lease,
-                updated_at = {now}
+            UPDATE outbox_breakers SET state = 'half_open',
+                successes = CASE WHEN state = 'open' THEN 0 ELSE successes END,
+                probe_until = {now} + :lease, updated_at = {now}
             WHERE tenant_id = :tenant_id AND origin = :origin
               AND ((state = 'open' AND open_until <= {now})
                    OR (state = 'half_open' AND (probe_until IS NULL OR probe_until <= {now})))
@@ -112,7 +120,7 @@ class _Statements:
                          LIMIT :limit {lock_plain})
             RETURNING id
         """)
-        self.next_due = text("SELECT min(next_attempt_at) FROM outbox_messages WHERE state = 'pending'")
+        self.next_due = text(f"SELECT min(next_attempt_at), {now} FROM outbox_messages WHERE state = 'pending'")
         self.purge = text(f"""
             DELETE FROM outbox_messages
             WHERE id IN (SELECT id FROM outbox_messages
@@ -162,6 +170,8 @@ class Claimed:
     trigger: str
     claimed_at: float
     lease_token: str
+    breaker_state: str | None = None  # this endpoint's breaker at claim time (None: no row)
+    breaker_open_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -208,7 +218,8 @@ async def claim(
             auth_mode=r.auth_mode, auth_secret=None if r.auth_secret is None else bytes(r.auth_secret),
             sequence_number=r.sequence_number, notification_type=r.notification_type, attempt=r.attempts,
             retry_until=float(r.retry_until), created_at=float(r.created_at), trigger=r.trigger,
-            claimed_at=float(r.claimed_at), lease_token=token,
+            claimed_at=float(r.claimed_at), lease_token=token, breaker_state=r.breaker_state,
+            breaker_open_until=None if r.breaker_open_until is None else float(r.breaker_open_until),
         )
         for r in result
     ]
@@ -283,9 +294,10 @@ async def expire_past_horizon(conn: AsyncConnection, *, limit: int = 500) -> lis
     return [r.id for r in await conn.execute(sql(conn).expire, {"limit": limit})]
 
 
-async def next_due_at(conn: AsyncConnection) -> float | None:
-    value = (await conn.execute(sql(conn).next_due)).scalar()
-    return None if value is None else float(value)
+async def next_due_at(conn: AsyncConnection) -> tuple[float | None, float]:
+    """When the earliest pending message is due, and the database's time now (one query)."""
+    due, now = (await conn.execute(sql(conn).next_due)).one()
+    return (None if due is None else float(due)), float(now)
 
 
 async def purge_batch(conn: AsyncConnection, *, older_than: float, horizon_seconds: int, limit: int) -> int:

@@ -1,7 +1,8 @@
 """Leases due messages and starts their attempts, within the concurrency limits.
 
-It holds the in-flight accounting: a global cap (``OUTBOX_CONCURRENCY``) and a per-origin
-cap (``OUTBOX_ENDPOINT_CONCURRENCY``). An origin at its cap is excluded from the next claim,
+It holds the in-flight accounting: a global cap (``OUTBOX_CONCURRENCY``, which also counts
+outcomes still waiting for the completer, since they hold leases too) and a per-origin cap
+(``OUTBOX_ENDPOINT_CONCURRENCY``). An origin at its cap is excluded from the next claim,
 so a slow or hanging endpoint holds at most its own share of slots and never makes other
 tenants' messages wait behind it.
 """
@@ -25,12 +26,22 @@ from supervisor.outage import OutageGuard
 
 Attempt = Callable[[Claimed], Awaitable[Outcome]]
 HALF_OPEN_RECHECK_SECONDS = 1.0
+BACKLOG_RECHECK_SECONDS = 0.05
 
 
 class Claimer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
-                 attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard) -> None:
+                 attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard,
+                 backlog: Callable[[], int] = lambda: 0) -> None:
         self._engine = engine
+        # PostgreSQL: single statements in autocommit, no BEGIN/COMMIT round trips. SQLite
+        # keeps its BEGIN IMMEDIATE transactions (the driver's autocommit mode and ours clash).
+        self._autocommit = (engine.execution_options(isolation_level="AUTOCOMMIT")
+                            if engine.dialect.name == "postgresql" else engine)
+        # Outcomes waiting to be recorded still hold their leases: count them against the
+        # concurrency, so a completer that falls behind slows claiming instead of letting
+        # leases pile up and expire (a crash then resends every one of them).
+        self._backlog = backlog
         self._settings = settings
         self._daemon_id = daemon_id
         self._metrics = metrics
@@ -57,25 +68,25 @@ class Claimer:
 
     async def run(self) -> None:
         while not self._stopping:
-            free = self._settings.concurrency - self.in_flight
-            if free <= 0:
-                await self._sleep(self._settings.poll_interval_seconds)
+            free = self._settings.concurrency - self.in_flight - self._backlog()
+            if free <= 0:  # full, or the completer is behind: look again when a slot frees
+                await self._sleep(BACKLOG_RECHECK_SECONDS)
                 continue
             limit = min(free, self._settings.claim_batch)
             try:
                 batch = await self._claim(limit)
-                next_due, now = await self._next_due() if len(batch) < limit else (None, None)
+                if len(batch) == limit:
+                    self._outage.ok()
+                    continue  # more may be due: claim again at once
+                next_due, now = await self._next_due()
                 self._outage.ok()
             except Exception as exc:
                 await self._outage.failed("claim messages", exc)
                 continue
-            if len(batch) == limit:
-                continue  # more may be due: claim again at once
-            if batch:
-                await asyncio.sleep(0)  # let the new attempts start, then look again
-                continue
+            if next_due is not None and next_due <= now and batch:
+                continue  # rows became due meanwhile (or were locked by another daemon)
             timeout = self._settings.poll_interval_seconds
-            if next_due is not None and now is not None and next_due > now:
+            if next_due is not None and next_due > now:
                 timeout = min(timeout, next_due - now)
             await self._sleep(timeout)
 
@@ -88,16 +99,14 @@ class Claimer:
 
     async def _claim(self, limit: int) -> list[Claimed]:
         busy = [o for o, n in self._per_origin.items() if n >= self._settings.endpoint_concurrency]
-        async with self._engine.begin() as conn:
+        async with self._autocommit.begin() as conn:
             batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
                                       horizon_seconds=self._settings.retry_horizon_seconds,
                                       daemon_id=self._daemon_id, busy_origins=busy)
-            keys = {(m.tenant_id, m.origin) for m in batch if m.origin}
-            breakers = await store.load_breakers(conn, keys) if keys else {}
         self._metrics.claim_batch.observe(len(batch))
         probes: dict[tuple[str, str], bool] = {}
         for message in batch:
-            gate = await self._gate(message, breakers, probes)
+            gate = await self._gate(message, probes)
             if gate is not None:
                 self._submit(gate)
                 continue
@@ -111,18 +120,18 @@ class Claimer:
         self._metrics.in_flight.set(self.in_flight)
         return batch
 
-    async def _gate(self, message: Claimed, breakers: dict, probes: dict[tuple[str, str], bool]) -> Outcome | None:
+    async def _gate(self, message: Claimed, probes: dict[tuple[str, str], bool]) -> Outcome | None:
         """``None`` if the message may be sent now, else the circuit-open skip to record."""
-        key = (message.tenant_id, message.origin or "")
-        row = breakers.get(key)
-        if row is None or row["state"] == CircuitState.CLOSED.value:
+        state = message.breaker_state
+        if state is None or state == CircuitState.CLOSED.value:
             return None
         now = message.claimed_at
-        if row["state"] == CircuitState.OPEN.value and row["open_until"] > now:
+        if state == CircuitState.OPEN.value and (message.breaker_open_until or 0.0) > now:
             return Outcome(message, "skip", "circuit_open", error="circuit open",
-                           defer_seconds=row["open_until"] - now)
+                           defer_seconds=(message.breaker_open_until or now) - now)
+        key = (message.tenant_id, message.origin or "")
         if key not in probes:  # open period over: one probe at a time goes (half-open)
-            async with self._engine.begin() as conn:
+            async with self._autocommit.begin() as conn:
                 probes[key] = await store.acquire_probe(conn, key[0], key[1], self._settings.lease_seconds)
             if probes[key]:
                 return None
@@ -139,17 +148,21 @@ class Claimer:
             self._log.exception("attempt.crashed", message_id=message.id)
             outcome = Outcome(message, "retry", "failed", error=f"internal error: {type(exc).__name__}")
         finally:
-            self._per_origin[message.origin or ""] -= 1
-            if self._per_origin[message.origin or ""] <= 0:
-                del self._per_origin[message.origin or ""]
+            origin = message.origin or ""
+            was_limited = (self.in_flight >= self._settings.concurrency
+                           or self._per_origin[origin] >= self._settings.endpoint_concurrency)
+            self._per_origin[origin] -= 1
+            if self._per_origin[origin] <= 0:
+                del self._per_origin[origin]
             self._tasks.pop(message.id, None)
             self._metrics.in_flight.set(self.in_flight)
             self._submit(outcome)  # noqa: B012 - recorded even when cancelled
-            self._wake.set()
+            if was_limited:  # a claim was held back for this slot: look again now
+                self._wake.set()
 
     async def _next_due(self) -> tuple[float | None, float]:
-        async with self._engine.connect() as conn:
-            return await store.next_due_at(conn), await store.db_now(conn)
+        async with self._autocommit.begin() as conn:
+            return await store.next_due_at(conn)
 
     async def finish(self, grace: float) -> None:
         """Wait up to ``grace`` seconds for attempts in flight, then interrupt the rest."""

@@ -69,7 +69,8 @@ class Daemon:
                                    fanout=self.fanout, outage=self.outage)
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender),
-                               submit=self.completer.submit, outage=self.outage)
+                               submit=self.completer.submit, outage=self.outage,
+                               backlog=lambda: self.completer.backlog)
         self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine))
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None

@@ -48,8 +48,7 @@ async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
 async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
     async with engine.connect() as conn:
         counts = dict((await conn.execute(select(messages.c.state, func.count()).group_by(messages.c.state))).all())
-        now = await store.db_now(conn)
-        oldest = await store.next_due_at(conn)
+        oldest, now = await store.next_due_at(conn)
         states = dict((await conn.execute(select(breakers.c.state, func.count()).group_by(breakers.c.state))).all())
     for state in ("pending", "in_flight", "delivered", "dead"):
         metrics.messages.labels(state=state).set(counts.get(state, 0))

@@ -60,8 +60,7 @@ async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
     counts = dict((await conn.execute(select(messages.c.state, func.count()).group_by(messages.c.state))).all())
     dead = dict((await conn.execute(select(messages.c.dead_reason, func.count())
                                     .where(messages.c.state == "dead").group_by(messages.c.dead_reason))).all())
-    now = await store.db_now(conn)
-    oldest = await store.next_due_at(conn)
+    oldest, now = await store.next_due_at(conn)
     open_rows = (await conn.execute(select(breakers).where(breakers.c.state != "closed")
                                     .order_by(breakers.c.tenant_id, breakers.c.origin))).mappings().all()
     backlog = (await conn.execute(
