@@ -73,8 +73,29 @@ def _as_mapping(value: Any, field: str) -> Mapping[str, Any]:
 def _check_string(value: Any, field: str, pattern: Any = None, what: str = "") -> str:
     if not isinstance(value, str) or not value:
         raise OutboxValidationError(field, "is required and must be a non-empty string")
+    if "\x00" in value or not _encodable(value):
+        raise OutboxValidationError(field, "contains a NUL or an unpaired surrogate (not valid UTF-8 text)")
     if pattern is not None and not pattern.fullmatch(value):
         raise OutboxValidationError(field, f"{value[:80]!r} does not match {what or pattern.pattern}")
+    return value
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _optional_string(value: Any, field: str, pattern: Any = None) -> str | None:
+    return None if value is None else _check_string(value, field, pattern)
+
+
+def _member(value: Any, allowed: frozenset[str], field: str, what: str) -> str:
+    """``value`` if it is one of ``allowed`` (whatever its type, never a TypeError)."""
+    if not isinstance(value, str) or value not in allowed:
+        raise OutboxValidationError(field, f"{str(value)[:80]!r} is not {what}")
     return value
 
 
@@ -94,7 +115,8 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
     if authentication is not None:
         auth = _as_mapping(authentication, f"{field}.authentication")
         schemes = auth.get("schemes")
-        if not isinstance(schemes, (list, tuple)) or len(schemes) != 1 or schemes[0] not in protocol.LEGACY_SCHEMES:
+        if (not isinstance(schemes, (list, tuple)) or len(schemes) != 1 or not isinstance(schemes[0], str)
+                or schemes[0] not in protocol.LEGACY_SCHEMES):
             raise OutboxValidationError(f"{field}.authentication.schemes", 'must be ["HMAC-SHA256"] or ["Bearer"]')
         credentials = auth.get("credentials")
         if not isinstance(credentials, str) or len(credentials) < protocol.MIN_LEGACY_CREDENTIAL_LENGTH:
@@ -121,7 +143,7 @@ def _render(envelope: Mapping[str, Any]) -> bytes:
     """Serialize once: compact, UTF-8, and strictly JSON (no NaN, no non-string keys)."""
     try:
         body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError (lone surrogates) is a ValueError
         raise OutboxValidationError("result", f"is not JSON-serializable ({exc})") from None
     if len(body) > protocol.MAX_BODY_BYTES:
         raise OutboxValidationError("result", f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
@@ -201,8 +223,11 @@ def _tenant(tenant_id: Any) -> str:
     return _check_string(tenant_id, "tenant_id")
 
 
-def _horizon(horizon_seconds: int | None) -> int | None:
-    if horizon_seconds is not None and not 86_400 <= horizon_seconds <= 604_800:
+def _horizon(horizon_seconds: Any) -> int | None:
+    if horizon_seconds is None:
+        return None
+    if not isinstance(horizon_seconds, int) or isinstance(horizon_seconds, bool) \
+            or not 86_400 <= horizon_seconds <= 604_800:
         raise OutboxValidationError("horizon_seconds", "must be within 86400..604800 (adcp-webhooks.md §4.1)")
     return horizon_seconds
 
@@ -234,10 +259,11 @@ def enqueue_task_webhook(
     registration = _registration(push_notification_config, "push_notification_config", settings,
                                  require_operation_id=True)
     _check_string(task_id, "task_id")
-    if task_type not in protocol.TASK_TYPES:
-        raise OutboxValidationError("task_type", f"{str(task_type)[:80]!r} is not an AdCP task type")
-    if status not in protocol.TASK_STATUSES:
-        raise OutboxValidationError("status", f"{str(status)[:80]!r} is not an AdCP task status")
+    _member(task_type, protocol.TASK_TYPES, "task_type", "an AdCP task type")
+    _member(status, protocol.TASK_STATUSES, "status", "an AdCP task status")
+    _optional_string(message, "message")
+    _optional_string(context_id, "context_id")
+    horizon = _horizon(horizon_seconds)
     if notification_id is None and status in protocol.TERMINAL_STATUSES:
         notification_id = f"{task_id}.terminal"
     if notification_id is not None:
@@ -259,8 +285,7 @@ def enqueue_task_webhook(
     body = _render(envelope)
     return _store(
         _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
-        columns={"task_id": task_id, "task_type": task_type, "task_status": status,
-                 "horizon_seconds": _horizon(horizon_seconds)},
+        columns={"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon},
     )
 
 
@@ -290,10 +315,12 @@ def enqueue_delivery_report(
     _check_string(media_buy_id, "media_buy_id")
     report = dict(_as_mapping(result, "result"))
     notification_type = report.get("notification_type")
-    if notification_type is not None and notification_type not in protocol.DELIVERY_NOTIFICATION_TYPES:
-        raise OutboxValidationError("result.notification_type", f"{str(notification_type)[:80]!r} is not a delivery notification type")
-    if stream_key is not None:
-        _check_string(stream_key, "stream_key")
+    if notification_type is not None:
+        _member(notification_type, protocol.DELIVERY_NOTIFICATION_TYPES, "result.notification_type",
+                "a delivery notification type")
+    _optional_string(stream_key, "stream_key")
+    _optional_string(task_id, "task_id")
+    horizon = _horizon(horizon_seconds)  # every check before the sequence number is allocated
     key = _idempotency_key(idempotency_key)
     connection = _connection(conn)
     replayed = _replayed_key(connection, idempotency_key)
@@ -320,8 +347,7 @@ def enqueue_delivery_report(
         connection, tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
         columns={"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE,
                  "task_status": "completed", "notification_type": notification_type,
-                 "sequence_key": stream, "sequence_number": sequence_number,
-                 "horizon_seconds": _horizon(horizon_seconds)},
+                 "sequence_key": stream, "sequence_number": sequence_number, "horizon_seconds": horizon},
     )
 
 
@@ -363,7 +389,8 @@ def enqueue(
         body = _render(envelope)
     return _store(
         _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
-        columns={"notification_type": notification_type, "horizon_seconds": _horizon(horizon_seconds)},
+        columns={"notification_type": _optional_string(notification_type, "notification_type"),
+                 "horizon_seconds": _horizon(horizon_seconds)},
     )
 
 

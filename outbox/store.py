@@ -120,6 +120,10 @@ class _Statements:
                          LIMIT :limit {lock_plain})
             RETURNING id
         """)
+        self.defer_endpoint = text("""
+            UPDATE outbox_messages SET next_attempt_at = :until
+            WHERE state = 'pending' AND tenant_id = :tenant_id AND origin = :origin AND next_attempt_at < :until
+        """)
         self.next_due = text(f"SELECT min(next_attempt_at), {now} FROM outbox_messages WHERE state = 'pending'")
         self.purge = text(f"""
             DELETE FROM outbox_messages
@@ -276,6 +280,12 @@ async def save_breakers(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -
         index_elements=["tenant_id", "origin"], set_={c: statement.excluded[c] for c in columns}
     )
     await conn.execute(statement, list(rows))
+
+
+async def defer_endpoint(conn: AsyncConnection, tenant_id: str, origin: str, until: float) -> int:
+    """Push an endpoint's pending messages to ``until`` (its breaker's open period end)."""
+    result = await conn.execute(sql(conn).defer_endpoint, {"tenant_id": tenant_id, "origin": origin, "until": until})
+    return result.rowcount
 
 
 async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> bool:

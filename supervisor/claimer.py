@@ -73,21 +73,21 @@ class Claimer:
                 await self._sleep(BACKLOG_RECHECK_SECONDS)
                 continue
             limit = min(free, self._settings.claim_batch)
+            timeout = self._settings.poll_interval_seconds
             try:
                 batch = await self._claim(limit)
                 if len(batch) == limit:
                     self._outage.ok()
                     continue  # more may be due: claim again at once
-                next_due, now = await self._next_due()
+                if not batch:  # idle: sleep until the earliest scheduled retry, at most a poll
+                    next_due, now = await self._next_due()
+                    if next_due is not None and next_due > now:
+                        timeout = min(timeout, next_due - now)
+                # A partial batch took everything due; a NOTIFY or the poll brings the rest.
                 self._outage.ok()
             except Exception as exc:
                 await self._outage.failed("claim messages", exc)
                 continue
-            if next_due is not None and next_due <= now and batch:
-                continue  # rows became due meanwhile (or were locked by another daemon)
-            timeout = self._settings.poll_interval_seconds
-            if next_due is not None and next_due > now:
-                timeout = min(timeout, next_due - now)
             await self._sleep(timeout)
 
     async def _sleep(self, timeout: float) -> None:

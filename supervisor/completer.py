@@ -62,6 +62,11 @@ class Completer:
         self._fanout = fanout
         self._outage = outage
         self._queue: asyncio.Queue[Outcome] = asyncio.Queue()
+        # Outcomes run() has taken off the queue but not yet recorded, and the lock run()
+        # holds while it records them: drain() must neither miss nor race that batch.
+        self._taken: list[Outcome] = []
+        self._recording = 0  # outcomes in the flush under way
+        self._flushing = asyncio.Lock()
         self._log = structlog.get_logger("outboxd.completer")
 
     def submit(self, outcome: Outcome) -> None:
@@ -69,30 +74,43 @@ class Completer:
 
     @property
     def backlog(self) -> int:
-        return self._queue.qsize()
+        """Outcomes not yet recorded (each still holds its message's lease)."""
+        return self._queue.qsize() + len(self._taken) + self._recording
 
     async def run(self) -> None:
         """Flush forever; cancelled by the daemon after :meth:`drain`."""
         while True:
-            batch = [await self._queue.get()]
-            deadline = time.monotonic() + FLUSH_INTERVAL
-            while len(batch) < FLUSH_MAX:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
-                except asyncio.TimeoutError:
-                    break
-            await self._flush_until_done(batch)
+            self._taken.append(await self._queue.get())
+            async with self._flushing:
+                deadline = time.monotonic() + FLUSH_INTERVAL
+                while self._taken and len(self._taken) < FLUSH_MAX:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        break
+                    try:
+                        self._taken.append(await asyncio.wait_for(self._queue.get(), timeout))
+                    except asyncio.TimeoutError:
+                        break
+                batch, self._taken = self._taken, []
+                if batch:  # empty when drain() took it while we waited for the lock
+                    self._recording = len(batch)
+                    try:
+                        await self._flush_until_done(batch)
+                    finally:
+                        self._recording = 0
 
     async def drain(self) -> None:
-        """Flush everything queued (shutdown)."""
-        batch: list[Outcome] = []
-        while not self._queue.empty():
-            batch.append(self._queue.get_nowait())
-        if batch:
-            await self._flush_until_done(batch)
+        """Flush everything not yet recorded (shutdown), including a batch run() is recording.
+
+        Waits for a flush in progress to finish, so the daemon may cancel :meth:`run`
+        afterwards without losing the outcomes it had taken off the queue.
+        """
+        async with self._flushing:
+            batch, self._taken = self._taken, []
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            if batch:
+                await self._flush_until_done(batch)
 
     async def _flush_until_done(self, batch: Sequence[Outcome], *, tries: int = REFUSED_TRIES) -> None:
         """Record ``batch``: ride out an outage, and isolate an outcome the database refuses.
@@ -207,6 +225,14 @@ class Completer:
                 self._log.warning("breaker.transition", tenant_id=key[0], origin=key[1], from_state=before,
                                   to_state=after, open_until=new["open_until"])
         await store.save_breakers(conn, changed)
+        for row in changed:
+            if row["state"] == "open" and (row["tenant_id"], row["origin"]) in per_key:
+                # Move the endpoint's backlog past the open period, so claims stop scanning
+                # over messages they may not send (no attempt is made or counted).
+                moved = await store.defer_endpoint(conn, row["tenant_id"], row["origin"], row["open_until"])
+                if moved:
+                    self._log.info("breaker.deferred", tenant_id=row["tenant_id"], origin=row["origin"],
+                                   messages=moved, until=row["open_until"])
         return transitions
 
     def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt]],
