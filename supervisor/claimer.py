@@ -38,9 +38,9 @@ class Claimer:
         # keeps its BEGIN IMMEDIATE transactions (the driver's autocommit mode and ours clash).
         self._autocommit = (engine.execution_options(isolation_level="AUTOCOMMIT")
                             if engine.dialect.name == "postgresql" else engine)
-        # Outcomes waiting to be recorded still hold their leases: count them against the
-        # concurrency, so a completer that falls behind slows claiming instead of letting
-        # leases pile up and expire (a crash then resends every one of them).
+        # Outcomes waiting to be recorded still hold their leases: past one round of the
+        # concurrency they count against it, so a completer that falls behind slows claiming
+        # instead of letting leases pile up (a crash would resend every one of them).
         self._backlog = backlog
         self._settings = settings
         self._daemon_id = daemon_id
@@ -68,7 +68,9 @@ class Claimer:
 
     async def run(self) -> None:
         while not self._stopping:
-            free = self._settings.concurrency - self.in_flight - self._backlog()
+            # Outcomes queued for the completer hold leases too: once more than a full round
+            # of them waits, the completer is behind and claiming pauses until it catches up.
+            free = self._settings.concurrency - self.in_flight - max(self._backlog() - self._settings.concurrency, 0)
             if free <= 0:  # full, or the completer is behind: look again when a slot frees
                 await self._sleep(BACKLOG_RECHECK_SECONDS)
                 continue
