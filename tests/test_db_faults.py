@@ -1,0 +1,506 @@
+"""Database faults under a real daemon: restarts, a long outage, and failing outcome writes.
+
+Every test here runs against a private PostgreSQL cluster (``tests/pgcluster.py``) that it
+may stop, crash or restart; the machine's shared server is never touched. The daemon is
+the real ``outboxd run`` process and the buyers are the real receiver process.
+
+What is proven, each by its own test:
+
+* PostgreSQL restarted (cleanly, then crashed) while messages flow: the daemon reconnects
+  and goes on without exiting, nothing is lost, nothing is marked delivered that the
+  receiver did not accept, and every attempt is in the log;
+* the database gone for longer than ``OUTBOX_DATABASE_OUTAGE_SECONDS``: the daemon says so
+  in one clear log line and one stderr line and exits non-zero; a new daemon started when
+  the database is back finishes every message;
+* an error while recording an outcome (a trigger on ``outbox_attempts`` that raises for
+  one tenant's successes): those messages stay leased, are retried after the lease, are
+  never marked delivered while the error lasts, never lost and never recorded twice, and
+  other tenants' deliveries go on undisturbed (each sent exactly once);
+* the same refusal in process on SQLite and PostgreSQL: the completer isolates the refused
+  outcome, the rescuer logs it ``abandoned``, a late retry of it changes nothing;
+* shutdown: the drain records a batch the completer had already taken off its queue.
+
+``check_ledger`` holds the end-of-run invariants shared with ``tests/test_chaos.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
+
+import outbox
+from outbox.db import make_engine
+from outbox.migrate import upgrade
+from outbox.schema import attempts, messages
+from tests import procs
+from tests.pgcluster import PgCluster
+
+pytestmark = pytest.mark.e2e
+PRODUCER = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers shared with tests/test_chaos.py.
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[PgCluster]:
+    c = PgCluster()
+    yield c
+    c.cleanup()
+
+
+def fresh_database(cluster: PgCluster) -> str:
+    url = cluster.create_database()
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    return url
+
+
+def message_key(run: str, n: int) -> str:
+    return f"whk_test_{run}_{n:08d}"
+
+
+def enqueue_batch(engine: Any, items: Iterable[tuple[str, str, str]], *, retry_for: float = 60.0) -> None:
+    """Enqueue ``(tenant, url, key)`` items in one seller transaction, retried while the database is away.
+
+    The caller chooses the keys, so a retry after an ambiguous commit is an idempotent
+    replay of the same bytes (the same key and payload return the stored message).
+    """
+    items = list(items)
+    deadline = time.monotonic() + retry_for
+    while True:
+        try:
+            with engine.begin() as conn:
+                for tenant, url, key in items:
+                    outbox.enqueue(conn, tenant_id=tenant, url=url, idempotency_key=key, settings=PRODUCER,
+                                   payload={"kind": "test", "tenant": tenant, "key_again": key, "pad": "x" * 64})
+            return
+        except OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def load_messages(engine: Any) -> dict[str, Any]:
+    with engine.connect() as conn:
+        return {r.idempotency_key: r for r in conn.execute(select(
+            messages.c.id, messages.c.idempotency_key, messages.c.tenant_id, messages.c.url, messages.c.state,
+            messages.c.dead_reason, messages.c.attempts, messages.c.body_sha256, messages.c.lease_expires_at))}
+
+
+def load_attempts(engine: Any) -> dict[int, list[Any]]:
+    out: dict[int, list[Any]] = collections.defaultdict(list)
+    with engine.connect() as conn:
+        for r in conn.execute(select(attempts.c.message_id, attempts.c.attempt_number, attempts.c.outcome,
+                                     attempts.c.idempotency_key, attempts.c.daemon_id, attempts.c.occurred_at,
+                                     attempts.c.error).order_by(attempts.c.id)):
+            out[r.message_id].append(r)
+    return out
+
+
+def arrivals_by_key(*logs: Path) -> dict[str, list[dict[str, Any]]]:
+    by_key: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for log in logs:
+        for arrival in procs.arrivals(log):
+            by_key[arrival["key"]].append(arrival)
+    return by_key
+
+
+def state_counts(engine: Any) -> collections.Counter[str]:
+    return collections.Counter(m.state for m in load_messages(engine).values())
+
+
+def all_finished(engine: Any, total: int, *, final: Iterable[str] = ("delivered",)) -> bool:
+    try:
+        counts = state_counts(engine)
+    except OperationalError:
+        return False
+    return sum(counts[s] for s in final) == total
+
+
+def daemon_events(log: Path) -> list[dict[str, Any]]:
+    events = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def check_ledger(engine: Any, logs: Iterable[Path], *, never_delivered: Iterable[str] = ()) -> dict[str, Any]:
+    """The invariants every fault test ends with; returns a small summary for the caller.
+
+    * every arrival is of a stored message, verified, with exactly the stored bytes;
+    * a message is ``delivered`` only if the receiver logged a 200 for its key, and it has
+      exactly one ``success`` attempt row (never lost, never recorded twice);
+    * its attempt rows (circuit-open skips aside) are exactly 1..attempts, one row per number
+      (an attempt cut short by a crash has its ``abandoned`` row);
+    * there are at least as many attempt rows as arrivals (every request is in the log).
+    """
+    stored = load_messages(engine)
+    by_id = {m.id: m for m in stored.values()}
+    rows = load_attempts(engine)
+    by_key = arrivals_by_key(*logs)
+    never = set(never_delivered)
+    summary = collections.Counter()
+    for key, arrived in by_key.items():
+        assert key in stored, f"the receiver got a key that was never enqueued: {key!r}"
+        sha = bytes(stored[key].body_sha256).hex()
+        for a in arrived:
+            assert a["sha256"] == sha, f"{key}: an arrival carried different bytes"
+            assert a["verified"], f"{key}: an arrival failed signature verification: {a['problem']}"
+    for key, m in stored.items():
+        arrived = by_key.get(key, [])
+        real = [r for r in rows.get(m.id, []) if r.outcome != "circuit_open"]
+        numbers = sorted(r.attempt_number for r in real)
+        assert numbers == list(range(1, m.attempts + 1)), \
+            f"{key}: attempt rows {[(r.attempt_number, r.outcome) for r in rows.get(m.id, [])]} " \
+            f"do not cover 1..{m.attempts} exactly once ({m.state}, {len(arrived)} arrivals)"
+        assert all(r.idempotency_key == key for r in rows.get(m.id, []))
+        successes = sum(r.outcome == "success" for r in real)
+        assert len(real) >= len(arrived), f"{key}: {len(arrived)} arrivals but only {len(real)} attempt rows"
+        if m.state == "delivered":
+            assert any(a["status"] == 200 for a in arrived), f"{key}: delivered without a 200 at the receiver"
+            assert successes == 1, f"{key}: delivered with {successes} success rows"
+            assert key not in never, f"{key}: delivered from an endpoint that never accepts"
+        else:
+            assert successes == 0, f"{key}: {m.state} but has a success row"
+        summary[m.state] += 1
+        summary["arrivals"] += len(arrived)
+        summary["resent"] += max(len(arrived) - 1, 0)
+        summary["abandoned"] += sum(r.outcome == "abandoned" for r in real)
+    for message_id in rows:
+        assert message_id in by_id, f"attempt rows for unknown message {message_id}"
+    return dict(summary)
+
+
+@pytest.fixture(scope="module")
+def keypair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return procs.make_key(tmp_path_factory.mktemp("keys"))
+
+
+def _exit_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("outboxd run:")]
+    return lines[-1] if lines else ""
+
+
+# ---------------------------------------------------------------------------------------
+# PostgreSQL restarted during a run.
+
+def test_daemon_rides_out_postgresql_restarts(cluster, tmp_path, keypair):
+    pem, jwks = keypair
+    url = fresh_database(cluster)
+    engine = make_engine(url, pool_pre_ping=True)
+    log = tmp_path / "daemon.log"
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log):
+        base = f"http://127.0.0.1:{port}"
+        endpoints = {"t-ok": "/ok", "t-flaky": "/flaky/1", "t-down": "/status/500", "t-ok2": "/ok?x=1"}
+        # Breakers are not the subject here: keep them closed so /flaky/1 converges quickly.
+        env = procs.daemon_env(url, pem, database_outage_seconds=20, breaker_failure_threshold=10_000, concurrency=32)
+        daemon = procs.start_daemon(env, log)
+        try:
+            counter = iter(range(10 ** 6))
+
+            def produce(n: int) -> None:
+                for _ in range(n // 20):
+                    batch = []
+                    for _ in range(20):
+                        i = next(counter)
+                        tenant = list(endpoints)[i % len(endpoints)]
+                        batch.append((tenant, base + endpoints[tenant], message_key("rs", i)))
+                    enqueue_batch(engine, batch)
+
+            produce(200)
+            assert procs.wait_until(lambda: state_counts(engine)["delivered"] >= 40, 30)
+            cluster.restart("fast")  # a clean restart: every session is ended
+            produce(200)
+            assert procs.wait_until(lambda: state_counts(engine)["delivered"] >= 200, 60)
+            cluster.restart("immediate", down_seconds=3)  # a crash, down for 3 s (under the deadline)
+            produce(200)
+            total = next(counter)
+            done = lambda: state_counts(engine)["delivered"] == total * 3 // 4  # noqa: E731
+            assert procs.wait_until(done, 90), state_counts(engine)
+            assert daemon.poll() is None, f"the daemon exited: {_exit_line(log)}"
+            events = {e.get("event") for e in daemon_events(log)}
+            assert "database.error" in events and "database.recovered" in events
+            assert "database.unreachable" not in events
+        finally:
+            rc = procs.stop(daemon)
+        assert rc == 0, _exit_line(log)
+        down = [m.idempotency_key for m in load_messages(engine).values() if m.tenant_id == "t-down"]
+        summary = check_ledger(engine, [arrivals_log], never_delivered=down)
+        assert summary["delivered"] == total * 3 // 4 and summary["pending"] == total // 4, summary
+    engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------
+# The database gone for longer than the deadline.
+
+def test_daemon_exits_nonzero_after_the_outage_deadline(cluster, tmp_path, keypair):
+    pem, jwks = keypair
+    url = fresh_database(cluster)
+    engine = make_engine(url, pool_pre_ping=True)
+    log = tmp_path / "daemon.log"
+    deadline = 3
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log):
+        base = f"http://127.0.0.1:{port}"
+        total = 400
+        for start in range(0, total, 100):  # /flaky/2: three attempts each, so work is in flight for a while
+            enqueue_batch(engine, [(f"t{i % 4}", f"{base}/flaky/2", message_key("dl", i))
+                                   for i in range(start, start + 100)])
+        env = procs.daemon_env(url, pem, database_outage_seconds=deadline, retry_base_seconds=0.2,
+                               retry_max_seconds=0.5, breaker_failure_threshold=10_000)
+        daemon = procs.start_daemon(env, log)
+        try:
+            assert procs.wait_until(lambda: state_counts(engine)["delivered"] >= 20, 60)
+            engine.dispose()
+            cluster.stop("fast")
+            stopped = time.monotonic()
+            rc = daemon.wait(deadline + 30)
+            took = time.monotonic() - stopped
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            raise
+        finally:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGKILL)
+            if not cluster.is_running():
+                cluster.start()
+        assert rc != 0, "the daemon must exit non-zero when the database stays away"
+        assert deadline - 1 <= took <= deadline + 15, f"exited {took:.1f} s after the database went away"
+        line = _exit_line(log)
+        assert "database unreachable for" in line, f"no one-line reason on stderr: {line!r}"
+        critical = [e for e in daemon_events(log) if e.get("event") == "database.unreachable"]
+        assert critical and critical[0]["level"] == "critical" and critical[0]["outage_seconds"] >= deadline  # logged rounded to 0.1 s
+        assert "Traceback" not in log.read_text(errors="replace")
+        # Nothing was lost: a new daemon, with the database back, finishes every message.
+        assert state_counts(engine)["delivered"] < total, "the outage came too late to prove anything"
+        daemon = procs.start_daemon(procs.daemon_env(url, pem, retry_base_seconds=0.2, retry_max_seconds=0.5,
+                                                     breaker_failure_threshold=10_000), tmp_path / "daemon2.log")
+        try:
+            assert procs.wait_until(lambda: all_finished(engine, total), 90), state_counts(engine)
+        finally:
+            assert procs.stop(daemon) == 0
+        summary = check_ledger(engine, [arrivals_log])
+        assert summary["delivered"] == total
+    engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------
+# An error while recording an outcome.
+
+POISON_TRIGGER = """
+CREATE FUNCTION outbox_test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'test: refusing to record a success for %', NEW.idempotency_key;
+END $$;
+CREATE TRIGGER outbox_test_refuse BEFORE INSERT ON outbox_attempts
+    FOR EACH ROW WHEN (NEW.tenant_id = 'poison' AND NEW.outcome = 'success')
+    EXECUTE FUNCTION outbox_test_refuse();
+"""
+
+
+def test_recording_error_leaves_message_leased_then_retried_once_recorded(cluster, tmp_path, keypair):
+    pem, jwks = keypair
+    url = fresh_database(cluster)
+    engine = make_engine(url)
+    log = tmp_path / "daemon.log"
+    lease = 5
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(POISON_TRIGGER)
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log):
+        base = f"http://127.0.0.1:{port}"
+        # Poisoned messages are spread among healthy ones, so claims and outcome batches mix them.
+        items = [("poison" if i % 20 == 0 else f"healthy-{i % 3}", f"{base}/ok", message_key("rec", i))
+                 for i in range(300)]
+        enqueue_batch(engine, items)
+        poison = {key for tenant, _, key in items if tenant == "poison"}
+        env = procs.daemon_env(url, pem, lease_seconds=lease, database_outage_seconds=lease)
+        daemon = procs.start_daemon(env, log)
+        try:
+            def arrived() -> set[str]:
+                return set(arrivals_by_key(arrivals_log))
+
+            assert procs.wait_until(lambda: poison <= arrived(), 30), "poisoned messages were never sent"
+            # While outcomes cannot be recorded: leased or pending again, never delivered, never dead.
+            seen_leased = False
+            refused_until = time.monotonic() + 2.5 * lease
+            while time.monotonic() < refused_until:
+                stored = load_messages(engine)
+                for key in poison:
+                    assert stored[key].state in ("in_flight", "pending"), (key, stored[key].state)
+                    seen_leased |= stored[key].state == "in_flight"
+                time.sleep(0.25)
+            assert seen_leased, "a message whose outcome could not be recorded must stay leased"
+            by_key = arrivals_by_key(arrivals_log)
+            assert any(len(by_key[k]) >= 2 for k in poison), "retried after the lease ran out"
+            healthy = {k for _, _, k in items} - poison
+            assert all(load_messages(engine)[k].state == "delivered" for k in healthy), \
+                "other tenants' outcomes must be recorded while one tenant's cannot"
+            with psycopg.connect(url, autocommit=True) as conn:
+                conn.execute("DROP TRIGGER outbox_test_refuse ON outbox_attempts")
+            assert procs.wait_until(lambda: all_finished(engine, len(items)), 60), state_counts(engine)
+            assert daemon.poll() is None, f"a recording error is not a database outage: {_exit_line(log)}"
+        finally:
+            rc = procs.stop(daemon)
+        assert rc == 0
+        summary = check_ledger(engine, [arrivals_log])
+        assert summary["delivered"] == len(items)
+        stored, by_key = load_messages(engine), arrivals_by_key(arrivals_log)
+        rows = load_attempts(engine)
+        for key in poison:
+            outcomes = [r.outcome for r in rows[stored[key].id]]
+            assert outcomes[-1] == "success" and "abandoned" in outcomes, (key, outcomes)
+        resent_healthy = [k for k in healthy if len(by_key[k]) != 1]
+        assert not resent_healthy, f"{len(resent_healthy)} healthy messages were sent more than once"
+    engine.dispose()
+
+
+# ---------------------------------------------------------------------------------------
+# The same refusal, in process and on both databases: the completer's isolation itself.
+
+SQLITE_POISON_TRIGGER = """
+CREATE TRIGGER outbox_test_refuse BEFORE INSERT ON outbox_attempts
+WHEN NEW.tenant_id = 'poison' AND NEW.outcome = 'success'
+BEGIN SELECT RAISE(ABORT, 'test: refusing to record a success'); END;
+"""
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'outbox.db'}"
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        return url
+    return fresh_database(request.getfixturevalue("cluster"))
+
+
+async def test_completer_isolates_an_outcome_the_database_refuses(any_url):
+    from outbox import store
+    from outbox.db import make_async_engine
+    from sinks.fanout import SinkFanout
+    from supervisor.attempt import Outcome
+    from supervisor.completer import Completer
+    from supervisor.maintenance import rescue_once
+    from supervisor.metrics import Metrics
+    from supervisor.outage import OutageGuard
+
+    sync = make_engine(any_url)
+    enqueue_batch(sync, [("poison" if i in (3, 17) else "healthy", "https://buyer.example.com/hook",
+                          message_key("unit", i)) for i in range(40)])
+    pg = any_url.startswith("postgresql")
+    if pg:
+        with psycopg.connect(any_url, autocommit=True) as conn:
+            conn.execute(POISON_TRIGGER)
+    else:
+        with sync.begin() as conn:
+            conn.exec_driver_sql(SQLITE_POISON_TRIGGER)
+    engine = make_async_engine(any_url)
+    settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": any_url})
+    outage = OutageGuard(0.5)  # a refusal mistaken for an outage would raise DatabaseUnavailable
+    fanout = SinkFanout([], timeout=1)
+    completer = Completer(engine, settings=settings, daemon_id="unit", metrics=Metrics(), fanout=fanout,
+                          outage=outage)
+    try:
+        async with engine.begin() as conn:
+            claimed = await store.claim(conn, limit=100, lease_seconds=0.5, horizon_seconds=86_400,
+                                        daemon_id="unit")
+        assert len(claimed) == 40
+        await completer._flush_until_done([Outcome(m, "delivered", "success", http_status=200, sent=True)
+                                           for m in claimed])
+        stored = load_messages(sync)
+        poison = {k for k, m in stored.items() if m.tenant_id == "poison"}
+        assert len(poison) == 2
+        for key, m in stored.items():
+            assert m.state == ("in_flight" if key in poison else "delivered"), (key, m.state)
+        rows = load_attempts(sync)
+        assert all(stored[k].id not in rows for k in poison), "no attempt row for a refused outcome"
+        assert all(len(rows[m.id]) == 1 for k, m in stored.items() if k not in poison)
+        # The lease runs out: the rescuer logs the cut-short attempt and makes it due again.
+        time.sleep(0.6)
+        assert await rescue_once(engine, "unit") == 2
+        with sync.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER outbox_test_refuse" + (" ON outbox_attempts" if pg else ""))
+        async with engine.begin() as conn:
+            again = await store.claim(conn, limit=100, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit")
+        assert {m.idempotency_key for m in again} == poison and all(m.attempt == 2 for m in again)
+        await completer._flush_until_done([Outcome(m, "delivered", "success", http_status=200, sent=True)
+                                           for m in again])
+        # A late retry of the first, refused outcome changes nothing (the lease token fences it).
+        stale = [Outcome(m, "delivered", "success", http_status=200, sent=True) for m in claimed
+                 if m.idempotency_key in poison]
+        await completer._flush_until_done(stale)
+        stored, rows = load_messages(sync), load_attempts(sync)
+        assert all(m.state == "delivered" for m in stored.values())
+        for key in poison:
+            assert [(r.attempt_number, r.outcome) for r in rows[stored[key].id]] == [(1, "abandoned"),
+                                                                                     (2, "success")]
+    finally:
+        await engine.dispose()
+        sync.dispose()
+
+
+async def test_drain_at_shutdown_records_the_batch_being_flushed(any_url):
+    """SIGTERM: the daemon drains the completer, then cancels it. A batch the completer had
+    already taken off its queue (collecting or flushing) must be recorded by the drain, not
+    lost with the cancelled task (found by the restart test: after a clean stop a message
+    was left ``in_flight`` with an unrecorded attempt)."""
+    import asyncio
+
+    from outbox import store
+    from outbox.db import make_async_engine
+    from sinks.fanout import SinkFanout
+    from supervisor.attempt import Outcome
+    from supervisor.completer import Completer
+    from supervisor.metrics import Metrics
+    from supervisor.outage import OutageGuard
+
+    sync = make_engine(any_url)
+    enqueue_batch(sync, [("t1", "https://buyer.example.com/hook", message_key("drain", i)) for i in range(10)])
+    engine = make_async_engine(any_url)
+    completer = Completer(engine, settings=outbox.load_settings(env={"OUTBOX_DATABASE_URL": any_url}),
+                          daemon_id="unit", metrics=Metrics(), fanout=SinkFanout([], timeout=1),
+                          outage=OutageGuard(5))
+    entered, release = asyncio.Event(), asyncio.Event()
+    real_flush = completer.flush
+
+    async def slow_flush(batch):  # the database is slow to answer this one
+        entered.set()
+        await release.wait()
+        await real_flush(batch)
+
+    completer.flush = slow_flush  # type: ignore[method-assign]
+    runner = asyncio.create_task(completer.run())
+    try:
+        async with engine.begin() as conn:
+            claimed = await store.claim(conn, limit=10, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit")
+        for m in claimed:
+            completer.submit(Outcome(m, "delivered", "success", http_status=200, sent=True))
+        await asyncio.wait_for(entered.wait(), 5)
+        assert completer.backlog == 10, "outcomes being recorded still hold their leases"
+        asyncio.get_running_loop().call_later(0.2, release.set)
+        await asyncio.wait_for(completer.drain(), 10)  # what the daemon does at shutdown...
+    finally:
+        runner.cancel()  # ...before it cancels the completer
+        await asyncio.gather(runner, return_exceptions=True)
+        await engine.dispose()
+    counts = state_counts(sync)
+    sync.dispose()
+    assert counts == {"delivered": 10}, counts
