@@ -120,10 +120,21 @@ class _Statements:
                          LIMIT :limit {lock_plain})
             RETURNING id
         """)
-        self.defer_endpoint = text("""
-            UPDATE outbox_messages SET next_attempt_at = :until
-            WHERE state = 'pending' AND tenant_id = :tenant_id AND origin = :origin AND next_attempt_at < :until
+        # A breaker that opens defers its endpoint's backlog; each deferral is a circuit-open
+        # skip in the attempt log (same transaction), numbered as the attempt it postpones.
+        deferrable = ("state = 'pending' AND tenant_id = :tenant_id AND origin = :origin"
+                      " AND next_attempt_at < :until")
+        bare_url = "split_part(url, '?', 1)" if pg else \
+            "CASE WHEN instr(url, '?') > 0 THEN substr(url, 1, instr(url, '?') - 1) ELSE url END"
+        self.log_deferral = text(f"""
+            INSERT INTO outbox_attempts (message_id, tenant_id, url, attempt_number, outcome, error, will_retry,
+                next_retry_at, payload_size, sequence_number, idempotency_key, notification_type, trigger,
+                daemon_id, occurred_at)
+            SELECT id, tenant_id, {bare_url}, attempts + 1, 'circuit_open', 'circuit open: deferred', :yes,
+                :until, length(body), sequence_number, idempotency_key, notification_type, trigger, :daemon, {now}
+            FROM outbox_messages WHERE {deferrable}
         """)
+        self.defer_endpoint = text(f"UPDATE outbox_messages SET next_attempt_at = :until WHERE {deferrable}")
         self.next_due = text(f"SELECT min(next_attempt_at), {now} FROM outbox_messages WHERE state = 'pending'")
         self.purge = text(f"""
             DELETE FROM outbox_messages
@@ -282,10 +293,12 @@ async def save_breakers(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -
     await conn.execute(statement, list(rows))
 
 
-async def defer_endpoint(conn: AsyncConnection, tenant_id: str, origin: str, until: float) -> int:
-    """Push an endpoint's pending messages to ``until`` (its breaker's open period end)."""
-    result = await conn.execute(sql(conn).defer_endpoint, {"tenant_id": tenant_id, "origin": origin, "until": until})
-    return result.rowcount
+async def defer_endpoint(conn: AsyncConnection, tenant_id: str, origin: str, until: float, daemon_id: str) -> int:
+    """Push an endpoint's pending messages to ``until`` (its breaker's open period end),
+    logging a ``circuit_open`` attempt row for each; no attempt is made or counted."""
+    params = {"tenant_id": tenant_id, "origin": origin, "until": until, "daemon": daemon_id, "yes": True}
+    await conn.execute(sql(conn).log_deferral, params)
+    return (await conn.execute(sql(conn).defer_endpoint, params)).rowcount
 
 
 async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> bool:

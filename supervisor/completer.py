@@ -229,7 +229,8 @@ class Completer:
             if row["state"] == "open" and (row["tenant_id"], row["origin"]) in per_key:
                 # Move the endpoint's backlog past the open period, so claims stop scanning
                 # over messages they may not send (no attempt is made or counted).
-                moved = await store.defer_endpoint(conn, row["tenant_id"], row["origin"], row["open_until"])
+                moved = await store.defer_endpoint(conn, row["tenant_id"], row["origin"], row["open_until"],
+                                                   self._daemon_id)
                 if moved:
                     self._log.info("breaker.deferred", tenant_id=row["tenant_id"], origin=row["origin"],
                                    messages=moved, until=row["open_until"])

@@ -198,6 +198,11 @@ def test_breaker_isolates_a_failing_tenant(pg_engine, pg_url, tmp_path, keypair)
     with pg_engine.connect() as conn:
         sick_attempts = conn.execute(select(messages.c.attempts).where(messages.c.tenant_id == "sick")).scalars()
         assert sum(sick_attempts) == sick_before, "messages behind an open breaker burned attempts"
+        deferred = conn.execute(select(messages.c.id).where(messages.c.tenant_id == "sick",
+                                                            messages.c.state == "pending")).scalars().all()
+        skipped = set(conn.execute(select(attempts.c.message_id).where(attempts.c.outcome == "circuit_open"))
+                      .scalars())
+        assert deferred and set(deferred) <= skipped, "every message held by the open breaker has a skip row"
 
 
 def test_sqlite_end_to_end_and_sigterm(sqlite_engine, sqlite_url, tmp_path, keypair):
