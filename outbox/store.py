@@ -263,15 +263,13 @@ async def insert_attempts(conn: AsyncConnection, rows: Sequence[dict[str, Any]])
         await conn.execute(attempts.insert(), list(rows))
 
 
-async def load_breakers(
-    conn: AsyncConnection, keys: Iterable[tuple[str, str]], *, for_update: bool = False
-) -> dict[tuple[str, str], Any]:
-    """Breaker rows for ``keys`` (tenant, origin); locked in key order when ``for_update``."""
+async def lock_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """Breaker rows for ``keys`` (tenant, origin), locked in key order (no deadlocks)."""
     wanted = sorted(set(keys))
     if not wanted:
         return {}
     query = breakers.select().where(tuple_(breakers.c.tenant_id, breakers.c.origin).in_(wanted))
-    if for_update and _is_pg(conn):
+    if _is_pg(conn):
         query = query.order_by(breakers.c.tenant_id, breakers.c.origin).with_for_update()
     rows = (await conn.execute(query)).mappings().all()
     return {(r["tenant_id"], r["origin"]): dict(r) for r in rows}

@@ -211,7 +211,7 @@ class Completer:
         per_key = {k: v for k, v in per_key.items() if k in had_row or not all(v)}
         if not per_key:
             return []
-        rows = await store.load_breakers(conn, per_key, for_update=True)
+        rows = await store.lock_breakers(conn, per_key)
         changed, transitions = [], []
         for key, results in per_key.items():
             row = rows.get(key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import datetime
 import hashlib
 import json
 import random
@@ -72,7 +73,7 @@ def library_verifier(public_jwks: dict[str, Any]) -> Verifier:
         message = SimpleNamespace(method=method, url=url, headers=converted)
         try:
             HTTPMessageVerifier(signature_algorithm=keys[kid][1], key_resolver=_Keys()).verify(
-                message, max_age=__import__("datetime").timedelta(seconds=360),
+                message, max_age=datetime.timedelta(seconds=360),
                 expect_tag="adcp/webhook-signing/v1",
                 require_components=("@method", "@target-uri", "@authority", "content-type", "content-digest"),
                 body=body)

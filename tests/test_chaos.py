@@ -73,7 +73,7 @@ async def test_half_open_breaker_closes_after_consecutive_probe_successes(any_ur
     async def fold(results: list[bool]) -> dict:
         async with engine.begin() as conn:
             now = await store.db_now(conn)
-            row = (await store.load_breakers(conn, [key], for_update=True)).get(key) or closed_row(*key)
+            row = (await store.lock_breakers(conn, [key])).get(key) or closed_row(*key)
             new, _ = apply_outcomes(row, results, now=now, policy=policy)
             await store.save_breakers(conn, [new])
             return new
@@ -84,7 +84,7 @@ async def test_half_open_breaker_closes_after_consecutive_probe_successes(any_ur
 
     async def row() -> dict:
         async with engine.connect() as conn:
-            return (await store.load_breakers(conn, [key]))[key]
+            return (await store.lock_breakers(conn, [key]))[key]
 
     try:
         assert (await fold([False, False]))["state"] == "open"
