@@ -67,19 +67,28 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def _run_async(settings: Settings, work: Callable[[Any], Any]) -> Any:
-    """Run ``work(conn)`` on a connection in one transaction."""
+def _with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
+    """Run ``await work(engine)`` against the configured database; the engine is disposed after."""
     from outbox.db import make_async_engine
 
     async def go() -> Any:
         engine = make_async_engine(settings.database_url)
         try:
-            async with engine.begin() as conn:
-                return await work(conn)
+            return await work(engine)
         finally:
             await engine.dispose()
 
     return asyncio.run(go())
+
+
+def _run_async(settings: Settings, work: Callable[[Any], Any]) -> Any:
+    """Run ``await work(conn)`` in one transaction."""
+
+    async def in_transaction(engine: Any) -> Any:
+        async with engine.begin() as conn:
+            return await work(conn)
+
+    return _with_engine(settings, in_transaction)
 
 
 # --------------------------------------------------------------------------- commands
@@ -177,21 +186,23 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     if not args.ids and not any((args.state, args.reason, args.tenant, args.url, args.since, args.until)):
         raise UserError("name message ids or at least one filter (--state, --reason, --tenant, --url, --since)")
 
-    async def work(conn: Any) -> dict[str, Any]:
-        ids = [int(i) for i in args.ids] if args.ids else await ops.select_ids(conn, _filters(args))
-        candidates = await ops.replay_candidates(conn, ids)
+    async def work(engine: Any) -> dict[str, Any]:
+        async with engine.begin() as conn:
+            ids = [int(i) for i in args.ids] if args.ids else await ops.select_ids(conn, _filters(args))
+            candidates = await ops.replay_candidates(conn, ids)
         missing = sorted(set(ids) - {c["id"] for c in candidates})
         eligible = [c for c in candidates if c["replayable"] and (args.force or not c["past_horizon"])]
         refused = [c for c in candidates if c not in eligible]
         replayed: list[int] = []
         if not args.dry_run:
             chunk = 500
-            for start in range(0, len(eligible), chunk):
-                replayed += await store.replay(conn, [c["id"] for c in eligible[start:start + chunk]],
-                                               force=args.force)
+            for start in range(0, len(eligible), chunk):  # one short transaction per chunk
+                async with engine.begin() as conn:
+                    replayed += await store.replay(conn, [c["id"] for c in eligible[start:start + chunk]],
+                                                   force=args.force)
+                    await store.notify(conn)  # daemons start on each chunk as it commits
                 if len(eligible) > chunk and not args.json:
                     print(f"replayed {len(replayed)}/{len(eligible)}", file=sys.stderr)
-            await store.notify(conn)
         return {"dry_run": args.dry_run, "would_replay" if args.dry_run else "replayed":
                 [c["id"] for c in eligible] if args.dry_run else replayed,
                 "refused": [{"id": c["id"], "state": c["state"],
@@ -202,7 +213,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     if args.force:
         print("warning: --force replays past the retry horizon; the receiver's dedup window may be gone, "
               "so it may act on the message twice", file=sys.stderr)
-    result = _run_async(settings, work)
+    result = _with_engine(settings, work)
     if args.json:
         _print_json(result)
     else:
@@ -275,23 +286,17 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
     from outbox import store
 
-    async def work() -> int:
-        from outbox.db import make_async_engine
-
-        engine = make_async_engine(settings.database_url)
+    async def work(engine: Any) -> int:
         total = 0
-        try:
-            while True:  # one short transaction per batch: never a long lock on the table
-                async with engine.begin() as conn:
-                    n = await store.purge_batch(conn, older_than=args.older_than,
-                                                horizon_seconds=settings.retry_horizon_seconds, limit=args.batch)
-                total += n
-                if n < args.batch:
-                    return total
-        finally:
-            await engine.dispose()
+        while True:  # one short transaction per batch: never a long lock on the table
+            async with engine.begin() as conn:
+                n = await store.purge_batch(conn, older_than=args.older_than,
+                                            horizon_seconds=settings.retry_horizon_seconds, limit=args.batch)
+            total += n
+            if n < args.batch:
+                return total
 
-    total = asyncio.run(work())
+    total = _with_engine(settings, work)
     if args.json:
         _print_json({"deleted": total})
     else:

@@ -163,13 +163,13 @@ class Completer:
             now = await store.db_now(conn)
             plans = [self._plan(outcome, now) for outcome in batch]
             applied = await store.complete(conn, [completion for completion, _ in plans])
-            records = [record for (completion, record) in plans
-                       if completion.message_id in applied and record.outcome != "released"]
-            await store.insert_attempts(conn, [r.as_row() for r in records])
+            await store.insert_attempts(conn, [record.as_row() for completion, record in plans
+                                               if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
         self._after_commit(batch, plans, applied, transitions, now)
 
-    def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt]:
+    def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
+        """The message's new state, and its attempt record (``None``: no attempt was made)."""
         m = o.message
         state, reason, next_at, delta = "pending", None, None, 0
         if o.action == "delivered":
@@ -188,6 +188,8 @@ class Completer:
             elif next_at >= m.retry_until:  # never send after first attempt + horizon (§4.1)
                 state, reason, next_at = "dead", "expired", None
         completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, o.error)
+        if o.action == "release":
+            return completion, None
         record = DeliveryAttempt(
             message_id=m.id, tenant_id=m.tenant_id, url=without_query(m.url), attempt_number=m.attempt,
             outcome=o.outcome, http_status_code=o.http_status, error_message=o.error,
@@ -236,14 +238,14 @@ class Completer:
                                    messages=moved, until=row["open_until"])
         return transitions
 
-    def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt]],
+    def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
                       applied: set[int], transitions: list[tuple[str, str]], now: float) -> None:
         metrics = self._metrics
         for before, after in transitions:
             metrics.breaker_transitions.labels(from_state=before, to_state=after).inc()
         for o, (completion, record) in zip(batch, plans):
             m = o.message
-            if o.action == "release":
+            if record is None:  # released unattempted: nothing happened worth a metric or a log
                 continue
             labels = metrics.tenant_labels(m.tenant_id)
             metrics.attempts.labels(outcome=o.outcome, status_class=status_class(o.http_status), **labels).inc()
