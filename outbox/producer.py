@@ -25,7 +25,7 @@ from outbox import protocol
 from outbox.config import Settings, load_settings
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
 from outbox.schema import messages
-from outbox.sealing import seal
+from outbox.sealing import BODY, CREDENTIAL, SealingKeys
 from outbox.urls import origin, validate_destination
 
 Conn = Connection | Session
@@ -169,11 +169,36 @@ def _insert(connection: Connection, row: dict[str, Any]) -> int | None:
     return connection.execute(_INSERTS[connection.dialect.name], row).scalar()
 
 
-def _existing(connection: Connection, key: str) -> tuple[int, bytes, int | None] | None:
-    row = connection.execute(
-        select(messages.c.id, messages.c.body, messages.c.sequence_number).where(messages.c.idempotency_key == key)
+def _existing(connection: Connection, key: str) -> Any:
+    return connection.execute(
+        select(messages.c.id, messages.c.tenant_id, messages.c.body, messages.c.body_key_id,
+               messages.c.sequence_number).where(messages.c.idempotency_key == key)
     ).first()
-    return None if row is None else (row.id, bytes(row.body), row.sequence_number)
+
+
+def _same_body(existing: Any, key: str, body: bytes, keys: SealingKeys | None) -> bool:
+    """Whether the stored row holds exactly ``body`` (opening it when it is sealed)."""
+    if existing.body_key_id is None:
+        return bytes(existing.body) == body
+    if keys is None or existing.body_key_id not in keys.ids:
+        return False
+    return keys.open(BODY, bytes(existing.body), tenant_id=existing.tenant_id, idempotency_key=key) == body
+
+
+def sealed_row(keys: SealingKeys | None, *, tenant_id: str, idempotency_key: str, body: bytes,
+               credentials: str | None) -> dict[str, Any]:
+    """The stored form of a body and its credential: sealed when a key is configured.
+
+    One function for the producer and for the re-sealing of existing rows, so both store
+    exactly the same shape.
+    """
+    secret = None
+    if credentials is not None:
+        assert keys is not None  # _registration refuses credentials without a key
+        secret = keys.seal(CREDENTIAL, credentials.encode(), tenant_id=tenant_id, idempotency_key=idempotency_key)
+    stored = body if keys is None else keys.seal(BODY, body, tenant_id=tenant_id, idempotency_key=idempotency_key)
+    return {"body": stored, "body_sha256": hashlib.sha256(stored).digest(),
+            "body_key_id": None if keys is None else keys.active_id, "auth_secret": secret}
 
 
 def _store(
@@ -187,29 +212,25 @@ def _store(
     columns: Mapping[str, Any],
 ) -> EnqueuedMessage:
     """Insert the rendered message, enforcing the immutable key binding (§1.4)."""
-    secret = None
-    if registration.credentials is not None:
-        assert settings.encryption_key is not None
-        secret = seal(settings.encryption_key, registration.credentials.encode(), key.encode())
+    keys = settings.sealing()
     row = {
         "tenant_id": tenant_id,
         "url": registration.url,
         "origin": origin(registration.url),
         "idempotency_key": key,
-        "body": body,
-        "body_sha256": hashlib.sha256(body).digest(),
         "auth_mode": registration.auth_mode,
-        "auth_secret": secret,
         "operation_id": registration.operation_id,
+        **sealed_row(keys, tenant_id=tenant_id, idempotency_key=key, body=body,
+                     credentials=registration.credentials),
         **columns,
     }
     new_id = _insert(connection, row)
     if new_id is not None:
         return EnqueuedMessage(new_id, key, columns.get("sequence_number"))
     existing = _existing(connection, key)
-    if existing is None or existing[1] != body:
+    if existing is None or not _same_body(existing, key, body, keys):
         raise IdempotencyConflictError(key)
-    return EnqueuedMessage(existing[0], key, existing[2])
+    return EnqueuedMessage(existing.id, key, existing.sequence_number)
 
 
 def _replayed_key(connection: Connection, key: str | None) -> EnqueuedMessage | None:
@@ -217,7 +238,7 @@ def _replayed_key(connection: Connection, key: str | None) -> EnqueuedMessage | 
     if key is None:
         return None
     existing = _existing(connection, key)
-    return None if existing is None else EnqueuedMessage(existing[0], key, existing[2])
+    return None if existing is None else EnqueuedMessage(existing.id, key, existing.sequence_number)
 
 
 def _tenant(tenant_id: Any) -> str:

@@ -76,10 +76,13 @@ messages = Table(
     # on PostgreSQL when a plain-SQL producer leaves it NULL.
     Column("origin", Text),
     Column("idempotency_key", Text, nullable=False),
+    # The exact bytes to POST, or those bytes sealed (AES-256-GCM, outbox/sealing.py) under
+    # the key named by body_key_id; NULL body_key_id means stored in plaintext.
     Column("body", LargeBinary, nullable=False),
-    Column("body_sha256", LargeBinary),
+    Column("body_sha256", LargeBinary),  # SHA-256 of the stored bytes (sealed or not)
+    Column("body_key_id", Text),
     Column("auth_mode", Text, nullable=False, server_default="rfc9421"),
-    Column("auth_secret", LargeBinary),  # AES-256-GCM: nonce || ciphertext+tag
+    Column("auth_secret", LargeBinary),  # sealed legacy credential (outbox/sealing.py)
     Column("task_id", Text),
     Column("task_type", Text),
     Column("task_status", Text),
@@ -130,6 +133,8 @@ messages = Table(
     Index("outbox_messages_finished_idx", "finished_at", postgresql_where=text("finished_at IS NOT NULL"),
           sqlite_where=text("finished_at IS NOT NULL")),
     Index("outbox_messages_tenant_idx", "tenant_id", "created_at"),
+    # The re-sealer finds rows not under the active key by range scans, not a table scan.
+    Index("outbox_messages_body_key_idx", "body_key_id", "id"),
 )
 
 attempts = Table(

@@ -23,6 +23,7 @@ from sqlalchemy import Text, bindparam, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breakers
+from outbox.sealing import OVERHEAD
 
 CHANNEL = "outbox_wakeup"
 _PG_TYPES = {"int": "bigint", "float": "float8", "text": "text", "bool": "boolean"}
@@ -49,6 +50,8 @@ class _Statements:
         lock = "FOR UPDATE OF m SKIP LOCKED" if pg else ""
         lock_plain = "FOR UPDATE SKIP LOCKED" if pg else ""
         self.now = text(f"SELECT {now}")
+        # The size of what is sent, not of what is stored (a sealed body carries a fixed overhead).
+        plain_size = f"length(body) - CASE WHEN body_key_id IS NULL THEN 0 ELSE {OVERHEAD} END"
         # The endpoint's breaker comes back with each claimed row, so the claim is one
         # statement. (The target table is not aliased: SQLite resolves RETURNING only so.)
         breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
@@ -72,7 +75,7 @@ class _Statements:
                 first_attempt_at = COALESCE(first_attempt_at, {now}),
                 retry_until = COALESCE(retry_until, {now} + COALESCE(horizon_seconds, :horizon))
             FROM due WHERE outbox_messages.id = due.due_id
-            RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, auth_mode, auth_secret,
+            RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id, auth_mode, auth_secret,
                       sequence_number, notification_type, attempts, retry_until, created_at, trigger,
                       {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
                       {breaker.format(col="open_until")} AS breaker_open_until
@@ -111,7 +114,7 @@ class _Statements:
             WHERE id IN (SELECT id FROM outbox_messages WHERE state = 'in_flight' AND lease_expires_at < {now}
                          ORDER BY lease_expires_at LIMIT :limit {lock_plain})
             RETURNING id, tenant_id, url, attempts, idempotency_key, sequence_number, notification_type,
-                      trigger, leased_by, length(body) AS payload_size
+                      trigger, leased_by, {plain_size} AS payload_size
         """)
         self.expire = text(f"""
             UPDATE outbox_messages SET state = 'dead', dead_reason = 'expired', finished_at = {now},
@@ -187,6 +190,7 @@ class Claimed:
     lease_token: str
     breaker_state: str | None = None  # this endpoint's breaker at claim time (None: no row)
     breaker_open_until: float | None = None
+    body_key_id: str | None = None  # the key the stored body is sealed under (None: plaintext)
 
 
 @dataclass(frozen=True)
@@ -230,7 +234,7 @@ async def claim(
         Claimed(
             id=r.id, tenant_id=r.tenant_id, url=r.url, origin=r.origin, idempotency_key=r.idempotency_key,
             body=bytes(r.body), body_sha256=None if r.body_sha256 is None else bytes(r.body_sha256),
-            auth_mode=r.auth_mode, auth_secret=None if r.auth_secret is None else bytes(r.auth_secret),
+            body_key_id=r.body_key_id, auth_mode=r.auth_mode, auth_secret=None if r.auth_secret is None else bytes(r.auth_secret),
             sequence_number=r.sequence_number, notification_type=r.notification_type, attempt=r.attempts,
             retry_until=float(r.retry_until), created_at=float(r.created_at), trigger=r.trigger,
             claimed_at=float(r.claimed_at), lease_token=token, breaker_state=r.breaker_state,

@@ -117,9 +117,11 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    from outbox.bodies import encryption_summary
     from supervisor import ops
 
     data = _run_async(settings, lambda conn: ops.status(conn, top=args.top))
+    data["encryption"] = encryption_summary(settings)
     if args.json:
         _print_json(data)
         return 0
@@ -129,6 +131,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     print("dead       " + (", ".join(f"{k} {v}" for k, v in data["dead_by_reason"].items()) or "none"))
     print("breakers   " + (", ".join(f"{b['tenant_id']}@{b['origin']} {b['state']}" for b in data["open_breakers"])
                            or "all closed"))
+    print(f"encryption {data['encryption']}")
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
     return 0
@@ -161,7 +164,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor import ops
 
-    data = _run_async(settings, lambda conn: ops.show(conn, args.ref))
+    data = _run_async(settings, lambda conn: ops.show(conn, args.ref, settings.sealing()))
     if data is None:
         raise UserError(f"no message with id or idempotency key {args.ref!r}")
     if args.json:
@@ -386,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kid", help="generate: key id to suggest")
     p.add_argument("--overwrite", action="store_true", help="generate: replace an existing file")
     p.add_argument("--key", action="append", metavar="FILE=KID", help="jwks: a key file (repeatable)")
+    from supervisor import cli_encryption
+
+    cli_encryption.register(add, json_flag)
     p = add("purge", "Delete delivered and dead history older than the retention.", cmd_purge)
     p.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION",
                    help="retention, e.g. 30d; nothing inside its retry horizon is ever deleted")

@@ -51,6 +51,8 @@ class Metrics:
                                     "How long the oldest due message has been waiting (sampled).", registry=r)
         self.dead_letters = Counter("outbox_dead_letters", "Messages that became dead, by reason.", ["reason"],
                                     registry=r)
+        self.bodies_resealed = Counter("outbox_bodies_resealed", "Stored bodies moved onto the active encryption key.",
+                                       registry=r)
         self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
         self.breaker_transitions = Counter("outbox_breaker_transitions", "Circuit breaker state changes.",
                                            ["from_state", "to_state"], registry=r)

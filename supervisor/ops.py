@@ -6,7 +6,6 @@ layer of flags and printing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,11 +13,13 @@ from typing import Any
 from sqlalchemy import Select, and_, delete, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox import store
+from outbox import bodies, store
 from outbox.producer import decode_body
 from outbox.schema import attempts, breakers, messages
+from outbox.sealing import SealError, SealingKeys
 
-MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "auth_secret", "lease_token")]
+MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "body_key_id", "auth_secret",
+                                                         "lease_token")]
 
 
 @dataclass(frozen=True)
@@ -90,26 +91,23 @@ async def find(conn: AsyncConnection, ref: str) -> Any | None:
     return (await conn.execute(select(messages).where(condition))).first()
 
 
-async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
+async def show(conn: AsyncConnection, ref: str, keys: SealingKeys | None = None) -> dict[str, Any] | None:
+    """One message for an operator: its payload opened (when sealed) and masked, and every attempt."""
     row = await find(conn, ref)
     if row is None:
         return None
     data = _message(row)
-    body = decode_body(bytes(row.body))
-    data["payload_size"] = len(row.body)
-    data["payload"] = _redact(body) if body is not None else None
+    try:
+        body = bodies.plaintext(row, keys)
+    except SealError as exc:
+        data["payload_size"], data["payload"] = None, f"<sealed: {exc}>"
+    else:
+        data["payload_size"] = len(body)
+        data["payload"] = bodies.masked(body) if decode_body(body) is not None else None
     history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
                                  .order_by(attempts.c.attempt_number, attempts.c.id))
     data["attempts"] = [dict(a._mapping) for a in history]
     return data
-
-
-def _redact(body: dict[str, Any]) -> dict[str, Any]:
-    """The stored payload for display, without the buyer's token (§2.4: a credential)."""
-    shown = json.loads(json.dumps(body))
-    if "token" in shown:
-        shown["token"] = "[redacted]"
-    return shown
 
 
 async def select_ids(conn: AsyncConnection, filters: Filters) -> list[int]:
