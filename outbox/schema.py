@@ -179,3 +179,13 @@ breakers = Table(
     PrimaryKeyConstraint("tenant_id", "origin", name="outbox_breakers_pkey"),
     _enum_check("state", BREAKER_STATES, "outbox_breakers_state_check"),
 )
+
+# One row per migration (from 0006 on): the oldest code revision that can still run on a
+# database at that revision. Lets a daemon one release behind keep delivering during a
+# rolling upgrade (outbox.migrate.check_schema; docs/architecture.md, "Rolling upgrades").
+schema_compat = Table(
+    "outbox_schema_compat",
+    metadata,
+    Column("revision", Text, primary_key=True),
+    Column("min_reader_revision", Text, nullable=False),
+)

@@ -260,8 +260,7 @@ class Completer:
                 metrics.deliveries.labels(outcome="delivered", **labels).inc()
                 metrics.commit_to_delivery.observe(max(now - m.created_at, 0.0))
             elif completion.state == "dead":
-                metrics.deliveries.labels(outcome="dead", **labels).inc()
-                metrics.dead_letters.labels(reason=completion.dead_reason).inc()
+                metrics.count_dead(completion.dead_reason, m.tenant_id)
             if completion.state in ("delivered", "dead"):
                 self._log.info(f"message.{completion.state}", message_id=m.id, tenant_id=m.tenant_id,
                                idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
