@@ -135,6 +135,12 @@ async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
     return data
 
 
+def is_secret_key(name: str) -> bool:
+    """Whether a payload key or column name holds a credential (``token``, ``auth_secret``, ...)."""
+    lowered = name.lower()
+    return lowered in SECRET_KEYS or lowered.endswith(("_secret", "_token", "_password", "_credentials"))
+
+
 def redact(value: Any) -> Any:
     """A payload for display: credentials masked at any depth, URLs without query strings.
 
@@ -142,7 +148,7 @@ def redact(value: Any) -> Any:
     terminal ever shows a buyer's token or a credential embedded in a URL.
     """
     if isinstance(value, dict):
-        return {k: REDACTED if k.lower() in SECRET_KEYS and v is not None else redact(v) for k, v in value.items()}
+        return {k: REDACTED if is_secret_key(k) and v is not None else redact(v) for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v) for v in value]
     if isinstance(value, str) and value.startswith(("http://", "https://")):
