@@ -41,6 +41,8 @@ COUNTERS = {
     "outbox_dead_letters_total",
     "outbox_breaker_transitions_total",
     "outbox_sink_errors_total",
+    "outbox_lease_rescues_total",
+    "outbox_database_outages_total",
 }
 GAUGES = {
     "outbox_messages",
