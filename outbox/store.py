@@ -219,7 +219,7 @@ async def claim(
     """Lease up to ``limit`` due messages in one statement (``FOR UPDATE SKIP LOCKED``).
 
     Messages behind an open breaker, or whose endpoint is at its concurrency limit in this
-    daemon, are left for later. The horizon clock starts at the first claim (§4.1).
+    daemon, are left for later. The horizon clock starts at the first claim (docs/protocol.md "Retry horizon").
     """
     token = uuid.uuid4().hex
     result = await conn.execute(sql(conn).claim, {
