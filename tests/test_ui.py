@@ -137,3 +137,39 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
     assert first["sha256"] == second["sha256"] and (first["status"], second["status"]) == (410, 200)
     assert second["verified"]
     assert len(procs.arrivals(log)) == 3  # the other message was not replayed
+
+
+async def test_subscribers_are_shown_when_the_table_exists_and_masked(sqlite_engine):
+    from outbox.db import make_async_engine
+    from supervisor.ui.app import subscribers
+
+    url = sqlite_engine.url.render_as_string(hide_password=False)
+    engine = make_async_engine(url)
+    try:
+        assert await subscribers(engine) is None  # no registry in this schema: the page says so
+        with sqlite_engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE outbox_subscribers (id INTEGER PRIMARY KEY, tenant_id TEXT, "
+                                 "url TEXT, auth_secret BLOB, token TEXT)")
+            conn.exec_driver_sql("INSERT INTO outbox_subscribers VALUES (1, 'acme', "
+                                 "'https://b.example/h?sig=SENTINEL', x'00ff', 'tok-SENTINEL')")
+        [row] = await subscribers(engine)
+    finally:
+        await engine.dispose()
+    assert row == {"id": 1, "tenant_id": "acme", "url": "https://b.example/h", "auth_secret": "[redacted]",
+                   "token": "[redacted]"}
+
+
+def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_path):
+    env = {k: v for k, v in procs.daemon_env(pg_url, tmp_path / "unused.pem").items()
+           if not k.startswith("OUTBOX_SIGNING")}
+    port = free_port()
+    proc = procs.start_ui(env, port, tmp_path / "ui.log")
+    try:
+        printed = (tmp_path / "ui.log").read_text()
+        match = re.search(rf"http://127\.0\.0\.1:{port}/ \(sign in with token (\S+)\)", printed)
+        assert match, printed
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}")
+        assert client.post("/login", data={"token": match.group(1)}).status_code == 303
+        assert client.get("/").status_code == 200
+    finally:
+        procs.stop(proc)
