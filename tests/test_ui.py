@@ -29,12 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def console(pg_url: str, tmp_path: Path) -> Iterator[str]:
-    env = {k: v for k, v in procs.daemon_env(pg_url, tmp_path / "unused.pem").items()
+@pytest.fixture(scope="module")
+def console(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One console process for the module (each test empties the tables it reads)."""
+    log = tmp_path_factory.mktemp("console") / "ui.log"
+    env = {k: v for k, v in procs.daemon_env(pg_url, log.parent / "unused.pem").items()
            if not k.startswith("OUTBOX_SIGNING")}
     port = free_port()
-    proc = procs.start_ui({**env, "OUTBOX_UI_TOKEN": TOKEN}, port, tmp_path / "ui.log")
+    proc = procs.start_ui({**env, "OUTBOX_UI_TOKEN": TOKEN}, port, log)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -83,6 +85,10 @@ def test_filtered_replay_counts_first_and_caps_at_its_limit(pg_engine, console):
         conn.execute(messages.update().values(state="dead", dead_reason="rejected", finished_at=1.0,
                                               retry_until=9e9))
     client, csrf = signed_in(console)
+    assert len(re.findall(r'href="/messages/\d+"', client.get("/messages?since=1h&reason=rejected").text)) == 3
+    assert 'href="/messages/' not in client.get("/messages?until=1h").text  # all created within the hour
+    bad = client.get("/messages?since=soonish")
+    assert bad.status_code == 400 and "since:" in bad.text
     assert client.post("/replay", data={"csrf": csrf}).status_code == 400  # no filter: refused, not "all"
     dry = client.post("/replay", data={"csrf": csrf, "reason": "rejected", "limit": "2"})
     assert "2 message(s) would be replayed" in dry.text and "1 more matched" in dry.text
