@@ -8,7 +8,6 @@ import re
 import shutil
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
