@@ -9,6 +9,7 @@ adding a module is one line in :data:`COMMAND_MODULES`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -16,14 +17,14 @@ from typing import Any, NoReturn
 
 from outbox.config import ConfigurationWarning, Settings, load_settings
 from outbox.errors import ConfigurationError
-from supervisor import cli_daemon, cli_keys, cli_messages
 from supervisor.cli_common import UserError
 from supervisor.metrics import package_version
 
+# Each module has ``register(add)``; the subcommands appear in --help in this order.
 COMMAND_MODULES = (
-    cli_daemon,
-    cli_messages,
-    cli_keys,
+    "supervisor.cli_daemon",
+    "supervisor.cli_messages",
+    "supervisor.cli_keys",
 )
 
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     for module in COMMAND_MODULES:
-        module.register(add)
+        importlib.import_module(module).register(add)
     return parser
 
 

@@ -1,7 +1,7 @@
 """What every ``outboxd`` subcommand module shares: argument types, printing, the database.
 
 Kept apart from :mod:`supervisor.cli` so a subcommand module (``cli_messages``,
-``cli_daemon``, or another helper's) imports these without importing the parser.
+``cli_daemon``, ``cli_keys``, or a new one) imports these without importing the parser.
 """
 
 from __future__ import annotations
