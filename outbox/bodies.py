@@ -1,16 +1,14 @@
-"""Stored webhook bodies: opening them, showing them to an operator, and re-sealing them.
+"""Stored webhook bodies: opening them, and re-sealing them onto the active key.
 
 A body is stored either as the exact bytes to send or sealed under an encryption key
-(:mod:`outbox.sealing`). Everything that reads a body for a person (``outboxd show
---body``, the console) goes through :func:`masked` so the buyer's ``token`` and any
-credentials never leave the process. Re-sealing moves rows to the active key (and seals
+(:mod:`outbox.sealing`); :func:`plaintext` is the one way to read what a row sends (the
+daemon before signing, ``outboxd show`` and the console before masking). Re-sealing moves rows to the active key (and seals
 rows written in plaintext, e.g. by a plain-SQL producer) in short batches, so a key
 rotation never stops delivery: see docs/encryption.md.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +21,6 @@ from outbox.producer import sealed_row
 from outbox.sealing import BODY, CREDENTIAL, SealError, SealingKeys
 from outbox.schema import messages
 
-MASK = "***"
-# Body members that carry a buyer secret, wherever they sit in the object tree.
-_SECRET_NAMES = frozenset({"token", "credentials", "secret", "password", "authorization", "api_key", "apikey"})
 
 
 def plaintext(row: Any, keys: SealingKeys | None) -> bytes:
@@ -35,22 +30,6 @@ def plaintext(row: Any, keys: SealingKeys | None) -> bytes:
     if keys is None:
         raise SealError(f"body is sealed under key {row.body_key_id} but OUTBOX_ENCRYPTION_KEY is not set")
     return keys.open(BODY, bytes(row.body), tenant_id=row.tenant_id, idempotency_key=row.idempotency_key)
-
-
-def _mask(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: MASK if str(k).lower() in _SECRET_NAMES and v is not None else _mask(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_mask(v) for v in value]
-    return value
-
-
-def masked(body: bytes) -> Any:
-    """A body for an operator's eyes: the JSON with every secret-bearing member masked."""
-    try:
-        return _mask(json.loads(body))
-    except ValueError:
-        return f"<{len(body)} bytes, not JSON>"
 
 
 def encryption_summary(settings: Settings) -> str:

@@ -16,21 +16,19 @@ import argparse
 import base64
 import os
 import sys
-from typing import Any
 
 from outbox.bodies import encryption_summary, seal_counts
 from outbox.config import Settings
+from supervisor.cli_common import Subcommands, UserError, positive_int, print_json, run_async, with_engine
 
 
 def cmd_encryption(args: argparse.Namespace, settings: Settings) -> int:
-    from supervisor.cli import UserError, _print_json, _run_async, _with_engine
-
     if args.action == "generate":
         print(base64.b64encode(os.urandom(32)).decode())
         return 0
     keys = settings.sealing()
     if args.action == "status":
-        counts = _run_async(settings, seal_counts)
+        counts = run_async(settings, seal_counts)
         known = set(keys.ids) if keys is not None else set()
         data = {"encryption": encryption_summary(settings),
                 "active_key_id": None if keys is None else keys.active_id,
@@ -39,7 +37,7 @@ def cmd_encryption(args: argparse.Namespace, settings: Settings) -> int:
                                  "active": keys is not None and kid == keys.active_id}
                                 for kid, n in sorted(counts.by_key.items())]}
         if args.json:
-            _print_json(data)
+            print_json(data)
             return 0
         print(f"encryption  {data['encryption']}")
         print(f"plaintext   {counts.plaintext} row(s)")
@@ -51,9 +49,9 @@ def cmd_encryption(args: argparse.Namespace, settings: Settings) -> int:
         raise UserError("no OUTBOX_ENCRYPTION_KEY is set: nothing to re-seal under")
     from supervisor.resealer import reseal_all
 
-    count, failed = _with_engine(settings, lambda engine: reseal_all(engine, keys, batch=args.batch))
+    count, failed = with_engine(settings, lambda engine: reseal_all(engine, keys, batch=args.batch))
     if args.json:
-        _print_json({"resealed": count, "unopenable": failed})
+        print_json({"resealed": count, "unopenable": failed})
     else:
         print(f"re-sealed {count} row(s) under key {keys.active_id}")
         if failed:
@@ -62,17 +60,9 @@ def cmd_encryption(args: argparse.Namespace, settings: Settings) -> int:
     return 1 if failed else 0
 
 
-def register(add: Any, json_flag: Any) -> None:
-    """Add the ``encryption`` subcommand to the ``outboxd`` parser."""
+def register(add: Subcommands) -> None:
     p = add("encryption", "Encryption of bodies and credentials at rest: generate a key, status, re-seal.",
             cmd_encryption)
     p.add_argument("action", choices=["generate", "status", "reseal"])
-    p.add_argument("--batch", type=_positive, default=200, help="reseal: rows per transaction (default 200)")
-    json_flag(p)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+    p.add_argument("--batch", type=positive_int, default=200, help="reseal: rows per transaction (default 200)")
+    p.add_argument("--json", action="store_true", help="print JSON")

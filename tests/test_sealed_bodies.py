@@ -14,7 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
 import outbox
-from outbox.bodies import masked, plaintext
+from outbox.bodies import plaintext
 from outbox.config import ConfigurationError, load_settings
 from outbox.schema import messages
 from outbox.sealing import SealError, key_id
@@ -149,14 +149,6 @@ def test_old_keys_setting_is_validated_with_one_line():
     assert len(settings.sealing().ids) == 3
 
 
-def test_masked_view_hides_every_secret_member():
-    body = json.dumps({"token": TOKEN, "result": {"authentication": {"credentials": CREDENTIAL, "schemes": ["x"]}},
-                       "context": {"api_key": "k", "plain": 1}}).encode()
-    shown = json.dumps(masked(body))
-    assert TOKEN not in shown and CREDENTIAL not in shown and '"api_key": "***"' in shown
-    assert '"plain": 1' in shown
-
-
 def test_cli_show_and_status_never_print_a_secret(pg_engine, pg_url, monkeypatch, capsys):
     from supervisor.cli import main
 
@@ -172,7 +164,7 @@ def test_cli_show_and_status_never_print_a_secret(pg_engine, pg_url, monkeypatch
     everything = "\n".join(outputs)
     for secret in (TOKEN, CREDENTIAL):  # the context is the operator's to read; credentials never
         assert secret not in everything
-    assert json.loads(outputs[0])["payload"]["token"] == "***"
+    assert json.loads(outputs[0])["payload"]["token"] == "[redacted]"
     assert json.loads(outputs[-1])["rows_by_key"] == [
         {"key_id": key_id(base64.b64decode(key)), "rows": 4, "configured": True, "active": True}]
     monkeypatch.delenv("OUTBOX_ENCRYPTION_KEY")

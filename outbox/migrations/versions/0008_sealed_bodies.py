@@ -4,7 +4,7 @@ Additive, so daemons of the previous release keep working. They cannot open a se
 body, though, so upgrade the daemons before the producers (docs/encryption.md).
 
 Revision ID: 0008_sealed_bodies
-Revises: 0001
+Revises: 0006_reader_revision
 Create Date: 2026-12-01
 """
 
@@ -13,8 +13,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from outbox.migrate import record_min_reader
+
 revision = "0008_sealed_bodies"
-down_revision = "0001"
+down_revision = "0006_reader_revision"
 branch_labels = None
 depends_on = None
 
@@ -22,6 +24,7 @@ depends_on = None
 def upgrade() -> None:
     op.add_column("outbox_messages", sa.Column("body_key_id", sa.Text(), nullable=True))
     op.create_index("outbox_messages_body_key_idx", "outbox_messages", ["body_key_id", "id"])
+    record_min_reader(revision, down_revision)
 
 
 def downgrade() -> None:
