@@ -118,5 +118,5 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, se
     return Outcome(
         message, verdict.action, verdict.outcome, reason=verdict.reason, http_status=result.status,
         error=error[:200] if error else None, response_time_ms=result.elapsed_ms,
-        retry_after=verdict.retry_after, sent=result.error_kind != "blocked",
+        retry_after=verdict.retry_after, sent=result.sent,
     )
