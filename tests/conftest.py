@@ -12,10 +12,16 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
+from hypothesis import settings as hypothesis_settings
+
 from outbox.config import Settings, load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from tests import pgserver
+
+# `pytest --hypothesis-profile=slow`: property tests that size themselves from the profile
+# (tests/test_url_fidelity.py) run ten times their default examples.
+hypothesis_settings.register_profile("slow", max_examples=5_000)
 
 
 @pytest.fixture(scope="session")
