@@ -29,6 +29,7 @@ from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
 from supervisor.attempt import attempt
 from supervisor.claimer import Claimer
+from supervisor.clock import DatabaseClock
 from supervisor.completer import Completer
 from supervisor.health import HealthServer
 from supervisor.maintenance import Maintenance
@@ -67,8 +68,10 @@ class Daemon:
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
         self.completer = Completer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                    fanout=self.fanout, outage=self.outage)
+        self.clock = DatabaseClock()
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
-                               attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender),
+                               attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender,
+                                                         clock=self.clock),
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog)
         self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine))
@@ -89,6 +92,7 @@ class Daemon:
         problem = await _schema_problem(self.engine)
         if problem:
             raise ConfigurationError(problem)
+        await self.clock.measure(self.engine)  # ClockOffsetError: refuse to sign with a wrong clock
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -102,6 +106,7 @@ class Daemon:
             asyncio.create_task(self.completer.run(), name="completer"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
                                             outage=self.outage).run(), name="maintenance"),
+            asyncio.create_task(self.clock.watch(self.engine, self.outage), name="clock"),
         ]
         if is_postgresql(self.settings.database_url):
             background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
