@@ -9,9 +9,9 @@ database comes back after an outage, and re-checks it every :data:`RECHECK_SECON
 An offset beyond :data:`MAX_OFFSET_SECONDS` means one of the two clocks is wrong by more
 than receivers tolerate, and the daemon cannot tell which, so it refuses to run: AdCP
 verifiers reject a signature whose ``created`` is more than 60 s in their future or whose
-``expires`` is more than 60 s in their past (the webhook verifier checklist of
-https://adcontextprotocol.org/docs/building/implementation/webhooks; the adcp SDK's
-``DEFAULT_SKEW_SECONDS``).
+``expires`` is more than 60 s in their past (the verifier checklist webhooks follow,
+https://adcontextprotocol.org/docs/building/implementation/security#verifier-checklist-requests;
+the adcp SDK's ``DEFAULT_SKEW_SECONDS``).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple, cast
 
 from cryptography.exceptions import UnsupportedAlgorithm

@@ -408,7 +408,7 @@ class HttpSender:
             await response.aclose()
 
 
-def wire_url(request: httpx.Request) -> str:
+def _wire_url(request: httpx.Request) -> str:
     """The URL a receiver rebuilds from this request: scheme, ``Host`` and request target.
 
     httpx writes ``request.url.raw_path`` as the HTTP/1.1 request target, and the AdCP
@@ -424,11 +424,12 @@ def _signed_request(
 
     httpx escapes some characters itself and removes dot segments; a URL it would alter
     could never verify, so it ends ``dead invalid`` here instead of as a signature the buyer
-    rejects. Enqueue stores URLs in a form httpx leaves alone (``outbox.urls``), so this
-    fires only for rows written around it or a changed httpx.
+    rejects. ``outbox.urls.canonicalize_url`` (applied at enqueue and again to every claimed
+    row) yields a form httpx leaves alone, so this fires only for a caller that signed a
+    non-canonical URL, or an httpx whose encoding changed.
     """
     request = client.build_request("POST", target, content=body, headers=headers)
-    if wire_url(request) != signed_url:
+    if _wire_url(request) != signed_url:
         raise _Refused("invalid", "request target would differ from the signed @target-uri (URL not canonical)")
     return request
 
