@@ -8,6 +8,7 @@ host clock; the end-to-end tests give a real daemon a PostgreSQL whose ``now()``
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import outbox
 from outbox.db import make_async_engine, make_engine
 from outbox.migrate import upgrade
 from supervisor.clock import MAX_OFFSET_SECONDS, ClockOffsetError, DatabaseClock
+from supervisor.outage import OutageGuard
 from supervisor.signing import ALG_ED25519, SigningKey, signature_headers
 from tests import procs
 
@@ -91,6 +93,30 @@ async def test_offset_beyond_receiver_tolerance_is_refused(engine: Engine, skew:
     assert "\n" not in message and "NTP" in message
     assert ("ahead of" if skew > 0 else "behind") in message and f"{abs(skew):.0f}" in message
     assert clock.offset == 0.0  # nothing adopted
+
+
+async def test_the_offset_is_measured_again_when_the_database_comes_back(engine: Engine) -> None:
+    skew = [0.0]
+    clock = DatabaseClock(lambda: time.time() + skew[0])
+    outage = OutageGuard(deadline_seconds=60)
+    async_engine = make_async_engine(_async_url(engine))
+    watcher = asyncio.create_task(clock.watch(async_engine, outage))
+    try:
+        for skew[0] in (20.0, MAX_OFFSET_SECONDS + 40):  # the host clock steps while the database is away
+            await outage.failed("test", ConnectionError("database restarting"))
+            outage.ok()
+            if skew[0] < MAX_OFFSET_SECONDS:
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    if abs(clock.offset + skew[0]) < 1.0:
+                        break
+                assert abs(clock.offset + skew[0]) < 1.0, "not re-measured after the outage"
+        with pytest.raises(ClockOffsetError):
+            await asyncio.wait_for(watcher, 30)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await async_engine.dispose()
 
 
 # --------------------------------------------------------------------------- real daemon
