@@ -50,10 +50,14 @@ class Settings:
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 3600.0
     retry_after_cap_seconds: float = 3600.0
-    breaker_failure_threshold: int = 5
+    # Circuit breakers (supervisor/breaker.py): open when, over the last window, at least
+    # the threshold of attempts failed and they are at least the ratio of all attempts.
+    breaker_failure_threshold: int = 10
+    breaker_failure_ratio: float = 0.7
+    breaker_window_seconds: float = 30.0
     breaker_success_threshold: int = 2
-    breaker_open_seconds: float = 60.0
-    breaker_max_open_seconds: float = 3600.0
+    breaker_open_seconds: float = 30.0
+    breaker_max_open_seconds: float = 300.0
     sinks: tuple[str, ...] = ()
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False
@@ -70,7 +74,13 @@ class Settings:
                 "OUTBOX_LEASE_SECONDS must exceed connect + read timeout, or a slow request "
                 "could outlive its lease and be sent twice at once"
             )
-        for name in ("concurrency", "endpoint_concurrency", "claim_batch"):
+        if not 0.0 < self.breaker_failure_ratio <= 1.0:
+            raise ConfigurationError(
+                f"OUTBOX_BREAKER_FAILURE_RATIO must be within (0, 1], got {self.breaker_failure_ratio}")
+        if self.breaker_window_seconds <= 0:
+            raise ConfigurationError("OUTBOX_BREAKER_WINDOW_SECONDS must be positive")
+        for name in ("concurrency", "endpoint_concurrency", "claim_batch", "breaker_failure_threshold",
+                     "breaker_success_threshold"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"OUTBOX_{name.upper()} must be at least 1")
         if self.log_format not in ("auto", "json", "console"):

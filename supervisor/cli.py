@@ -189,7 +189,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     async def work(engine: Any) -> dict[str, Any]:
         async with engine.begin() as conn:
             ids = [int(i) for i in args.ids] if args.ids else await ops.select_ids(conn, _filters(args))
-            candidates = await ops.replay_candidates(conn, ids)
+            candidates = await ops.replay_candidates(conn, ids, settings.retry_horizon_seconds)
         missing = sorted(set(ids) - {c["id"] for c in candidates})
         eligible = [c for c in candidates if c["replayable"] and (args.force or not c["past_horizon"])]
         refused = [c for c in candidates if c not in eligible]
@@ -199,7 +199,8 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
             for start in range(0, len(eligible), chunk):  # one short transaction per chunk
                 async with engine.begin() as conn:
                     replayed += await store.replay(conn, [c["id"] for c in eligible[start:start + chunk]],
-                                                   force=args.force)
+                                                   force=args.force,
+                                                   horizon_seconds=settings.retry_horizon_seconds)
                     await store.notify(conn)  # daemons start on each chunk as it commits
                 if len(eligible) > chunk and not args.json:
                     print(f"replayed {len(replayed)}/{len(eligible)}", file=sys.stderr)

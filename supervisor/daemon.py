@@ -66,7 +66,8 @@ class Daemon:
                                  timeout=settings.sink_timeout_seconds,
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
         self.completer = Completer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
-                                   fanout=self.fanout, outage=self.outage)
+                                   fanout=self.fanout, outage=self.outage,
+                                   on_recorded=lambda: self.claimer.wake())
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender),
                                submit=self.completer.submit, outage=self.outage,
@@ -101,7 +102,9 @@ class Daemon:
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
-                                            outage=self.outage).run(), name="maintenance"),
+                                            outage=self.outage,
+                                            horizon_seconds=self.settings.retry_horizon_seconds).run(),
+                                name="maintenance"),
         ]
         if is_postgresql(self.settings.database_url):
             background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
