@@ -62,6 +62,7 @@ def _claim_sql(pg: bool, now: str) -> str:
     is claimed, never the history or a long backlog. SQLite (a single host's outbox)
     ranks the due rows with a window function.
     """
+    done = "jsonb_array_elements_text(CAST(:done AS jsonb))" if pg else "json_each(:done)"
     room = f"""CASE WHEN b.state = 'open' AND b.open_until > {now} THEN 0
                     WHEN b.state = 'half_open' AND b.probe_until > {now} THEN 0
                     WHEN b.state IN ('open', 'half_open') THEN 1 ELSE :cap END"""
@@ -110,7 +111,9 @@ def _claim_sql(pg: bool, now: str) -> str:
         WITH {"RECURSIVE " if pg else ""}{heads}
         held AS (
             SELECT COALESCE(origin, '') AS o, count(*) AS n FROM outbox_messages
-            WHERE state = 'in_flight' AND leased_by = :daemon GROUP BY COALESCE(origin, '')
+            WHERE state = 'in_flight' AND leased_by = :daemon
+              AND id NOT IN (SELECT CAST(value AS {"bigint" if pg else "integer"}) FROM {done})
+            GROUP BY COALESCE(origin, '')
         ),
         slots AS (
             SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
@@ -280,17 +283,19 @@ async def claim(
     horizon_seconds: int,
     daemon_id: str,
     endpoint_concurrency: int,
+    done_ids: Iterable[int] = (),
 ) -> list[Claimed]:
     """Lease up to ``limit`` messages that may be sent now, in one statement.
 
     Endpoints behind an open breaker are passed over, an origin gets no more than
-    ``endpoint_concurrency`` in flight from this daemon, and claiming starts no clock: the
+    ``endpoint_concurrency`` open requests from this daemon (its in-flight rows except
+    ``done_ids``, whose request is over but not yet recorded), and claiming starts no clock: the
     retry horizon counts from enqueue (``retry_until`` is stamped with that deadline).
     """
     token = uuid.uuid4().hex
     result = await conn.execute(sql(conn).claim, {
         "limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
-        "token": token, "cap": endpoint_concurrency,
+        "token": token, "cap": endpoint_concurrency, "done": json.dumps(list(done_ids)),
     })
     return [
         Claimed(

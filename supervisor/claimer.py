@@ -26,12 +26,16 @@ from supervisor.outage import OutageGuard
 
 Attempt = Callable[[Claimed], Awaitable[Outcome]]
 BACKLOG_RECHECK_SECONDS = 0.05
+# After a partial claim, wake-ups (requests ending, flushes, NOTIFYs) within this long are
+# served by one claim, not one each.
+CLAIM_COOLDOWN_SECONDS = 0.005
 
 
 class Claimer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
                  attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard,
-                 backlog: Callable[[], int] = lambda: 0) -> None:
+                 backlog: Callable[[], int] = lambda: 0,
+                 unrecorded: Callable[[], list[int]] = lambda: []) -> None:
         self._engine = engine
         # PostgreSQL: single statements in autocommit, no BEGIN/COMMIT round trips. SQLite
         # keeps its BEGIN IMMEDIATE transactions (the driver's autocommit mode and ours clash).
@@ -41,6 +45,7 @@ class Claimer:
         # concurrency they count against it, so a completer that falls behind slows claiming
         # instead of letting leases pile up (a crash would resend every one of them).
         self._backlog = backlog
+        self._unrecorded = unrecorded  # leased messages whose request is over (no slot held)
         self._settings = settings
         self._daemon_id = daemon_id
         self._metrics = metrics
@@ -79,16 +84,18 @@ class Claimer:
                 if len(batch) == limit:
                     self._outage.ok()
                     continue  # more may be due: claim again at once
-                if not batch:  # idle: sleep until the earliest scheduled retry, at most a poll
+                if not batch and not self._tasks:  # idle: sleep until the earliest retry, at most a poll
                     next_due, now = await self._next_due()
                     if next_due is not None and next_due > now:
                         timeout = min(timeout, next_due - now)
-                # A partial batch took everything due; a NOTIFY or the poll brings the rest.
+                # A partial batch took everything that may go now; a request ending, a flush,
+                # a NOTIFY or the poll brings the rest.
                 self._outage.ok()
             except Exception as exc:
                 await self._outage.failed("claim messages", exc)
                 continue
             await self._sleep(timeout)
+            await asyncio.sleep(CLAIM_COOLDOWN_SECONDS)
 
     async def _sleep(self, timeout: float) -> None:
         try:
@@ -102,7 +109,8 @@ class Claimer:
             batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
                                       horizon_seconds=self._settings.retry_horizon_seconds,
                                       daemon_id=self._daemon_id,
-                                      endpoint_concurrency=self._settings.endpoint_concurrency)
+                                      endpoint_concurrency=self._settings.endpoint_concurrency,
+                                      done_ids=self._unrecorded())
         self._metrics.claim_batch.observe(len(batch))
         for message in batch:
             if not await self._may_send(message):
@@ -136,12 +144,10 @@ class Claimer:
             self._log.exception("attempt.crashed", message_id=message.id)
             outcome = Outcome(message, "retry", "failed", error=f"internal error: {type(exc).__name__}")
         finally:
-            was_limited = self.in_flight >= self._settings.concurrency
             self._tasks.pop(message.id, None)
             self._metrics.in_flight.set(self.in_flight)
             self._submit(outcome)  # noqa: B012 - recorded even when cancelled
-            if was_limited:  # a claim was held back for this global slot: look again now
-                self._wake.set()
+            self._wake.set()  # a slot (global and of its origin) is free: look again
 
     async def _next_due(self) -> tuple[float | None, float]:
         async with self._autocommit.begin() as conn:

@@ -89,11 +89,23 @@ class Completer:
         # holds while it records them: drain() must neither miss nor race that batch.
         self._taken: list[Outcome] = []
         self._recording = 0  # outcomes in the flush under way
+        self._unrecorded: set[int] = set()
         self._flushing = asyncio.Lock()
         self._log = structlog.get_logger("outboxd.completer")
 
     def submit(self, outcome: Outcome) -> None:
+        self._unrecorded.add(outcome.message.id)
         self._queue.put_nowait(outcome)
+
+    @property
+    def unrecorded_ids(self) -> list[int]:
+        """Messages whose request is over but whose outcome is not recorded yet.
+
+        Their rows are still ``in_flight``; the claim does not count them against their
+        origin's capacity (no request of theirs is open), so a slot frees when the request
+        ends, not a flush later.
+        """
+        return list(self._unrecorded)
 
     @property
     def backlog(self) -> int:
@@ -167,6 +179,7 @@ class Completer:
             await self._flush_until_done(batch, tries=tries - 1)
             return
         m = batch[0].message
+        self._unrecorded.discard(m.id)  # left to its lease: the rescuer hands it back
         self._log.error("outcome.unrecorded", message_id=m.id, idempotency_key=m.idempotency_key, attempt=m.attempt,
                         outcome=batch[0].outcome, error=type(refused).__name__,
                         detail=(str(getattr(refused, "orig", None) or refused).splitlines() or [""])[0][:200],
@@ -189,6 +202,7 @@ class Completer:
             await store.insert_attempts(conn, [record.as_row() for completion, record in plans
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
+        self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded()
         self._after_commit(batch, plans, applied, transitions, now)
 

@@ -71,7 +71,8 @@ class Daemon:
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender),
                                submit=self.completer.submit, outage=self.outage,
-                               backlog=lambda: self.completer.backlog)
+                               backlog=lambda: self.completer.backlog,
+                               unrecorded=lambda: self.completer.unrecorded_ids)
         self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine))
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
