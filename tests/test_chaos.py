@@ -227,7 +227,7 @@ def test_chaos_sigkill_and_postgresql_crash_lose_nothing(cluster, tmp_path, keyp
                 else:
                     cluster.restart("immediate", down_seconds=1)
                     crashes += 1
-            producer.join(60)
+            producer.join(max(BUDGET_SECONDS - (time.monotonic() - began), 1))
             assert not producer.is_alive() and not producer_error, producer_error
             remaining = BUDGET_SECONDS - (time.monotonic() - began)
             finished = procs.wait_until(lambda: all_finished(engine, MESSAGES), max(remaining, 1), interval=1)
