@@ -59,8 +59,9 @@ def _claim_sql(pg: bool, now: str) -> str:
     have to be handed back. PostgreSQL walks the endpoints with a skip scan of
     ``outbox_messages_endpoint_due_idx`` and reads each endpoint's due head through a
     LATERAL index scan, so the cost is the number of endpoints with pending work plus what
-    is claimed, never the history or a long backlog. SQLite (a single host's outbox)
-    ranks the due rows with a window function.
+    is claimed, never the history or a long backlog (the CTEs are MATERIALIZED: inlined,
+    the planner may re-run the per-endpoint scans once per candidate row). SQLite (a
+    single host's outbox) ranks the due rows with a window function.
     """
     done = "jsonb_array_elements_text(CAST(:done AS jsonb))" if pg else "json_each(:done)"
     room = f"""CASE WHEN b.state = 'open' AND b.open_until > {now} THEN 0
@@ -81,7 +82,7 @@ def _claim_sql(pg: bool, now: str) -> str:
                 SELECT e.t, e.o, {room} AS room
                 FROM endpoints AS e LEFT JOIN outbox_breakers AS b ON b.tenant_id = e.t AND b.origin = e.o
             ),
-            heads AS (
+            heads AS MATERIALIZED (
                 SELECT h.id, h.next_attempt_at, g.t, g.o, h.nth FROM gates AS g CROSS JOIN LATERAL (
                     SELECT m.id, m.next_attempt_at, row_number() OVER (ORDER BY m.next_attempt_at, m.id) AS nth
                     FROM outbox_messages AS m
@@ -109,13 +110,13 @@ def _claim_sql(pg: bool, now: str) -> str:
                " AND b.origin = outbox_messages.origin)")
     return f"""
         WITH {"RECURSIVE " if pg else ""}{heads}
-        held AS (
+        held AS {"MATERIALIZED " if pg else ""}(
             SELECT COALESCE(origin, '') AS o, count(*) AS n FROM outbox_messages
             WHERE state = 'in_flight' AND leased_by = :daemon
               AND id NOT IN (SELECT CAST(value AS {"bigint" if pg else "integer"}) FROM {done})
             GROUP BY COALESCE(origin, '')
         ),
-        slots AS (
+        slots AS {"MATERIALIZED " if pg else ""}(
             SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
             FROM heads
         ),

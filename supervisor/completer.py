@@ -94,7 +94,8 @@ class Completer:
         self._log = structlog.get_logger("outboxd.completer")
 
     def submit(self, outcome: Outcome) -> None:
-        self._unrecorded.add(outcome.message.id)
+        if outcome.action != "retry":  # a failure's slot frees once the breaker has judged it
+            self._unrecorded.add(outcome.message.id)
         self._queue.put_nowait(outcome)
 
     @property
@@ -103,7 +104,9 @@ class Completer:
 
         Their rows are still ``in_flight``; the claim does not count them against their
         origin's capacity (no request of theirs is open), so a slot frees when the request
-        ends, not a flush later.
+        ends, not a flush later. Retryable failures are left out: their slot frees when
+        they are recorded, so an endpoint that fails everything gets no more requests than
+        its breaker's threshold plus one round of its concurrency before it trips.
         """
         return list(self._unrecorded)
 
