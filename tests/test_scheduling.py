@@ -51,13 +51,18 @@ async def test_claim_applies_origin_capacity_fairly_and_oldest_first(engine):
             keys = [m.idempotency_key for m in first if m.tenant_id == tenant]
             assert keys == sorted(keys) and (not keys or keys[0].endswith("00000000")), keys
         assert await _claim(aengine, cap=3) == [], "at capacity: nothing more is claimed (none to hand back)"
+        async with aengine.begin() as conn:  # one request of origin a is over, its outcome not yet recorded
+            done = [by_origin["https://a.example.com"][0].id]
+            again = await store.claim(conn, limit=50, lease_seconds=30, horizon_seconds=HORIZON, daemon_id="d1",
+                                      endpoint_concurrency=3, done_ids=done)
+        assert [m.origin for m in again] == ["https://a.example.com"], "its slot is free again"
         other = await _claim(aengine, cap=3, daemon="d2")
         assert len(other) == 3 + 2, "capacity is per daemon: another daemon has its own slots"
         # A limit smaller than the capacity takes every origin's first slot before any second.
         async with aengine.begin() as conn:
             await conn.execute(update(messages).where(messages.c.state == "in_flight").values(
                 state="pending", lease_token=None, leased_by=None, lease_expires_at=None))
-        small = await _claim(aengine, limit=2, cap=3)
+        small = await _claim(aengine, limit=2, cap=3, daemon="d3")
         assert {m.origin for m in small} == {"https://a.example.com", "https://b.example.com"}
     finally:
         await aengine.dispose()
