@@ -402,10 +402,10 @@ async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> l
     return list(await conn.execute(sql(conn).rescue, {"limit": limit}))
 
 
-async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[Any]:
-    """End ``dead expired`` what is pending past its horizon (attempted or not): (id, tenant_id) rows."""
+async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[str]:
+    """End ``dead expired`` what is pending past its horizon (attempted or not); their tenants, one per message."""
     params = {"limit": limit, "horizon": horizon_seconds, "min_horizon": MIN_HORIZON_SECONDS}
-    return list(await conn.execute(sql(conn).expire, params))
+    return [r.tenant_id for r in await conn.execute(sql(conn).expire, params)]
 
 
 async def live_counts(conn: AsyncConnection) -> tuple[int, int]:

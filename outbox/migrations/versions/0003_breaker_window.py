@@ -7,7 +7,7 @@ endpoint's due head) and one by enqueue time (the expiry sweep finds what is pas
 horizon without reading the whole backlog).
 
 Revision ID: 0003_breaker_window
-Revises: 0001
+Revises: 0006_reader_revision
 Create Date: 2026-12-01
 """
 
@@ -16,10 +16,11 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from outbox.migrate import record_min_reader
 from outbox.schema import PG_NOW, SQLITE_NOW
 
 revision = "0003_breaker_window"
-down_revision = "0001"
+down_revision = "0006_reader_revision"
 branch_labels = None
 depends_on = None
 
@@ -55,6 +56,8 @@ def upgrade() -> None:
                     postgresql_where=pending, sqlite_where=pending)
     op.create_index("outbox_messages_pending_created_idx", "outbox_messages", ["created_at"],
                     postgresql_where=pending, sqlite_where=pending)
+    # Additive: code at the previous revision keeps working on this schema.
+    record_min_reader(revision, down_revision)
 
 
 def downgrade() -> None:
