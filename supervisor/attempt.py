@@ -17,7 +17,7 @@ from outbox.sealing import SealError, unseal
 from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor.classify import Verdict, classify_response, classify_transport_error
-from supervisor.signing import CONTENT_TYPE, KeyResolver, bearer_headers, hmac_headers, signature_headers
+from supervisor.signing import CONTENT_TYPE, KeySource, bearer_headers, hmac_headers, signature_headers
 from supervisor.transport import HttpSender
 
 
@@ -72,7 +72,7 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
     return None, url
 
 
-def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver) -> dict[str, str]:
+def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource) -> dict[str, str]:
     """Transport metadata for this attempt: the only thing that changes between attempts.
 
     RFC 9421 unless the buyer registered legacy ``authentication`` — never both (§2.5).
@@ -94,7 +94,7 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolv
     return {"Content-Type": CONTENT_TYPE, **bearer_headers(secret.decode())}
 
 
-async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender) -> Outcome:
+async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, sender: HttpSender) -> Outcome:
     """Make one attempt; never raises for anything the message or the receiver does."""
     if message.claimed_at >= message.retry_until:
         return Outcome.dead(message, "expired", "retry horizon passed")

@@ -31,10 +31,11 @@ from supervisor.attempt import attempt
 from supervisor.claimer import Claimer
 from supervisor.completer import Completer
 from supervisor.health import HealthServer
+from supervisor.keyring import CHANNEL as KEYRING_CHANNEL
+from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
-from supervisor.signing import KeyResolver
 from supervisor.transport import HttpSender
 from supervisor.wakeup import listen
 
@@ -59,7 +60,7 @@ class Daemon:
         self.daemon_id = new_daemon_id()
         self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics)
         self.engine = make_async_engine(settings.database_url)
-        self.keys = KeyResolver(settings)
+        self.keys = CachedKeyring(settings)
         self.sender = sender or HttpSender(settings)
         self.outage = OutageGuard(settings.database_outage_seconds)
         self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
@@ -71,24 +72,16 @@ class Daemon:
                                attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender),
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog)
-        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine))
+        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine), self.keys.documents())
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
 
-    def check_signing_key(self) -> None:
-        """Fail at start, not on the first attempt, when the default key cannot be loaded."""
-        if self.settings.signing_key_file:
-            self.keys.resolve("")
-        elif not self.settings.tenant_signing_keys:
-            raise ConfigurationError("no signing key configured: set OUTBOX_SIGNING_KEY_FILE "
-                                     "(`outboxd keys generate` makes one)")
-
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        self.check_signing_key()
         problem = await _schema_problem(self.engine)
         if problem:
             raise ConfigurationError(problem)
+        await self.keys.start(self.engine)  # fails here, not on the first attempt, if no key can sign
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -100,12 +93,15 @@ class Daemon:
         self.fanout.start()
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
+            asyncio.create_task(self.keys.run(self.engine), name="keyring"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
                                             outage=self.outage).run(), name="maintenance"),
         ]
         if is_postgresql(self.settings.database_url):
             background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
                                                   name="wakeup"))
+            background.append(asyncio.create_task(listen(self.settings.database_url, self.keys.wake,
+                                                         KEYRING_CHANNEL), name="keyring-wakeup"))
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         self.log.info("daemon.started", concurrency=self.settings.concurrency,
