@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -65,17 +65,17 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 
 
 @contextmanager
-def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver"
-             ) -> Iterator[tuple[int, Path]]:
+def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver",
+             extra: Sequence[str] = ()) -> Iterator[tuple[int, Path]]:
     """A receiver process; yields (port, arrivals JSONL file)."""
     port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
     args = [sys.executable, "-m", "supervisor.receiver", "--port-file", str(port_file), "--log", str(log),
-            "--verifier", verifier]
+            "--verifier", verifier, *extra]
     if jwks is not None:
         args += ["--jwks", str(jwks)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # importing the adcp SDK takes long on a loaded machine
         while not port_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("receiver did not start")
