@@ -1,7 +1,7 @@
 """``outboxd keys``: the keyring from the operator's side (generate, rotate, promote, revoke, list).
 
-Registered by ``supervisor.cli``. Every change goes through ``supervisor.keyring``, which
-enforces the waits; refusals are one-line ``KeyringError``s (exit 1).
+Every change goes through ``supervisor.keyring``, which enforces the waits; refusals are
+one-line ``KeyringError``s (exit 1).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.errors import ConfigurationError
+from supervisor.cli_common import Subcommands, print_json, run_async, table
 from supervisor import keyring
 from supervisor.keyring import ADCP_USE_REQUEST, ADCP_USE_WEBHOOK, DEFAULT_SCOPE, Snapshot, iso, scope_label
 from supervisor.signing import ALG_ED25519, ALG_ES256, SigningKey, generate_signing_key_pem, load_signing_key
@@ -29,13 +30,11 @@ def _warn(text: str) -> None:
 def _in_transaction(settings: Settings, work: Callable[[Any], Any]) -> Any:
     """``work(sync connection)`` in one transaction, after seeding an empty keyring from the
     configured key files (so keys staged before the daemon's first start do not hide it)."""
-    from supervisor.cli import _run_async
-
     def seeded(conn: Any) -> Any:
         keyring.bootstrap(conn, settings)
         return work(conn)
 
-    return _run_async(settings, lambda conn: conn.run_sync(seeded))
+    return run_async(settings, lambda conn: conn.run_sync(seeded))
 
 
 def write_private_key(out: Path, alg: str, overwrite: bool = False) -> None:
@@ -62,9 +61,11 @@ def _load_for_staging(path: Path, kid: str | None, scope: str) -> SigningKey:
     return load_signing_key(path, kid or (None if is_jwk else _default_kid(scope)))
 
 
-def _print_keys(snapshot: Snapshot, scope: str | None, settings: Settings) -> None:
-    from supervisor.cli import _iso, _table
+def _iso(epoch: float | None) -> str:
+    return "-" if epoch is None else iso(epoch)
 
+
+def _print_keys(snapshot: Snapshot, scope: str | None, settings: Settings) -> None:
     now = snapshot.now
     rows = []
     for r in sorted(snapshot.records, key=lambda r: (r.scope, r.published_at, r.kid)):
@@ -74,7 +75,7 @@ def _print_keys(snapshot: Snapshot, scope: str | None, settings: Settings) -> No
         rows.append((r.kid, r.scope or "(default)", r.state(now), r.alg, r.adcp_use, _iso(r.published_at),
                      _iso(promotable), _iso(r.activates_at), _iso(r.deactivates_at), _iso(r.unpublish_at),
                      _iso(r.revoked_at), r.key_file))
-    _table(rows, ["KID", "SCOPE", "STATE", "ALG", "ADCP_USE", "PUBLISHED", "PROMOTABLE", "ACTIVE_FROM",
+    table(rows, ["KID", "SCOPE", "STATE", "ALG", "ADCP_USE", "PUBLISHED", "PROMOTABLE", "ACTIVE_FROM",
                   "ACTIVE_UNTIL", "UNPUBLISHED", "REVOKED", "FILE"])
 
 
@@ -138,8 +139,6 @@ def _revocations(snapshot: Snapshot, settings: Settings) -> dict[str, Any]:
 
 
 def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
-    from supervisor.cli import _print_json
-
     scope = args.tenant if getattr(args, "tenant", None) else DEFAULT_SCOPE
     if args.action == "generate":
         write_private_key(Path(args.out), args.alg, args.overwrite)
@@ -154,7 +153,7 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
         elif args.action == "revocations":
             print(json.dumps(_revocations(snapshot, settings), indent=2))
         elif args.json:
-            _print_json([r.as_dict(snapshot.now) for r in snapshot.records if args.tenant is None
+            print_json([r.as_dict(snapshot.now) for r in snapshot.records if args.tenant is None
                          or r.scope == scope])
         else:
             _print_keys(snapshot, None if args.tenant is None else scope, settings)
@@ -162,18 +161,16 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
     result = {"rotate": lambda: _rotate(args, settings, scope), "promote": lambda: _promote(args, settings, scope),
               "revoke": lambda: _revoke(args, settings)}[args.action]()
     if args.json:
-        _print_json({k: v for k, v in result.items() if k != "message"})
+        print_json({k: v for k, v in result.items() if k != "message"})
     else:
         print(result["message"])
     return 0
 
 
-def register(sub: Any) -> None:
+def register(add: Subcommands) -> None:
     """Add ``outboxd keys ...`` to the CLI's subcommands."""
-    keys = sub.add_parser("keys", help="Signing keys: generate, rotate, promote, revoke, list, print the JWKS.",
-                          description="The signing keyring: each scope's keys are next, active, retiring, "
-                                      "retired or revoked; every daemon follows the database.")
-    keys.set_defaults(handler=cmd_keys)
+    keys = add("keys", "The signing keyring: generate, rotate, promote, revoke, list keys, print the JWKS.",
+               cmd_keys)
     actions = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     def action(name: str, help_: str, *, tenant: bool = False, json_: bool = False) -> argparse.ArgumentParser:

@@ -177,6 +177,9 @@ class CachedKeyring:
     def documents(self) -> dict[str, Any]:
         """The paths the daemon's HTTP endpoint serves from the keyring, as JSON bytes (None: 404)."""
         def encode(build: Any) -> Any:
-            return lambda: (None if (doc := build()) is None else json.dumps(doc, separators=(",", ":")).encode())
+            def document() -> bytes | None:  # None (404) until the keyring is read, e.g. while waiting for the schema
+                doc = build() if self._snapshot is not None else None
+                return None if doc is None else json.dumps(doc, separators=(",", ":")).encode()
+            return document
 
         return {JWKS_PATH: encode(self.jwks), REVOCATIONS_PATH: encode(self.revocations)}

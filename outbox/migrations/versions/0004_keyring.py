@@ -1,10 +1,11 @@
 """The signing keyring: every scope's keys and their lifecycle, and a change counter.
 
 Revision ID: 0004_keyring
-Revises: 0001
+Revises: 0006_reader_revision
 Create Date: 2026-12-01
 
-Additive only: a daemon one release behind never reads these tables.
+Additive: a daemon one release behind never reads these tables (docs/architecture.md,
+"Rolling upgrades").
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from outbox.migrate import record_min_reader
+
 revision = "0004_keyring"
-down_revision = "0001"
+down_revision = "0006_reader_revision"
 branch_labels = None
 depends_on = None
 
@@ -44,6 +47,8 @@ def upgrade() -> None:
         sa.Column("version", sa.BigInteger, nullable=False),
     )
     op.bulk_insert(keyring, [{"id": 1, "version": 0}])
+    # Additive: code at the previous revision keeps working on this schema.
+    record_min_reader(revision, down_revision)
 
 
 def downgrade() -> None:
