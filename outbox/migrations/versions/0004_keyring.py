@@ -1,7 +1,7 @@
 """The signing keyring: every scope's keys and their lifecycle, and a change counter.
 
 Revision ID: 0004_keyring
-Revises: 0006_reader_revision
+Revises: 0003_breaker_window
 Create Date: 2026-12-01
 
 Additive: a daemon one release behind never reads these tables (docs/architecture.md,
@@ -16,7 +16,7 @@ from alembic import op
 from outbox.migrate import record_min_reader
 
 revision = "0004_keyring"
-down_revision = "0006_reader_revision"
+down_revision = "0003_breaker_window"
 branch_labels = None
 depends_on = None
 
