@@ -192,6 +192,36 @@ breakers = Table(
     _enum_check("state", BREAKER_STATES, "outbox_breakers_state_check"),
 )
 
+ADCP_USES = ("request-signing", "webhook-signing")
+
+# The keyring (supervisor/keyring.py): a key's state is derived from its times, so every
+# replica reading the same rows agrees on which key signs at any instant.
+signing_keys = Table(
+    "outbox_signing_keys",
+    metadata,
+    Column("kid", Text, primary_key=True),
+    Column("scope", Text, nullable=False),  # "" is the default scope, else a tenant id
+    Column("alg", Text, nullable=False),
+    Column("key_file", Text, nullable=False),  # where the private key lives: never its content
+    Column("public_jwk", Text, nullable=False),  # JSON, without adcp_use
+    Column("adcp_use", Text, nullable=False, server_default="request-signing"),
+    Column("published_at", _Epoch, nullable=False),
+    Column("activates_at", _Epoch),
+    Column("deactivates_at", _Epoch),
+    Column("unpublish_at", _Epoch),
+    Column("revoked_at", _Epoch),
+    _enum_check("adcp_use", ADCP_USES, "outbox_signing_keys_adcp_use_check"),
+    Index("outbox_signing_keys_scope_idx", "scope"),
+)
+
+# One row (id 1): bumped by every keyring change, so daemons poll one integer.
+keyring = Table(
+    "outbox_keyring",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("version", BigInteger, nullable=False),
+)
+
 # Every breaker transition, once (the row behind the log line and the metric).
 breaker_transitions = Table(
     "outbox_breaker_transitions",

@@ -18,7 +18,7 @@ from outbox.sealing import SealError, unseal
 from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor.classify import Verdict, classify_response, classify_transport_error
-from supervisor.signing import CONTENT_TYPE, Clock, KeyResolver, bearer_headers, hmac_headers, signature_headers
+from supervisor.signing import CONTENT_TYPE, Clock, KeySource, bearer_headers, hmac_headers, signature_headers
 from supervisor.transport import HttpSender
 
 
@@ -74,7 +74,7 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
     return None, url
 
 
-def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver,
+def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource,
                  clock: Clock = time.time) -> dict[str, str]:
     """Transport metadata for this attempt: the only thing that changes between attempts.
 
@@ -97,7 +97,7 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolv
     return {"Content-Type": CONTENT_TYPE, **bearer_headers(secret.decode())}
 
 
-async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender,
+async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, sender: HttpSender,
                   clock: Clock = time.time) -> Outcome:
     """Make one attempt; never raises for anything the message or the receiver does.
 
