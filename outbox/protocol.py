@@ -34,5 +34,8 @@ OPERATION_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")  # §1.1 (push-notific
 NOTIFICATION_ID_RE = OPERATION_ID_RE  # §1.1 notification_id has the same pattern
 TOKEN_LENGTH = (16, 4096)  # §1.1 token, 16..4096 characters
 MIN_LEGACY_CREDENTIAL_LENGTH = 32  # §2.3/§2.4 credentials ≥ 32 characters
+# A legacy credential goes into a header (Bearer) or keys an HMAC the buyer configured as
+# text: visible ASCII only (RFC 9110 field-value characters, no spaces).
+LEGACY_CREDENTIAL_RE = re.compile(r"[\x21-\x7e]+")
 LEGACY_SCHEMES = {"HMAC-SHA256": "hmac", "Bearer": "bearer"}  # §2.3–2.5, enums/auth-scheme.json
 MAX_BODY_BYTES = 1024 * 1024  # §6.4: receivers SHOULD enforce 1 MB; keep bodies under it

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import store
 from outbox.config import Settings
 from outbox.store import Completion
-from outbox.urls import without_query
+from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
 from supervisor.attempt import Outcome
@@ -191,7 +191,7 @@ class Completer:
         if o.action == "release":
             return completion, None
         record = DeliveryAttempt(
-            message_id=m.id, tenant_id=m.tenant_id, url=without_query(m.url), attempt_number=m.attempt,
+            message_id=m.id, tenant_id=m.tenant_id, url=public_url(m.url), attempt_number=m.attempt,
             outcome=o.outcome, http_status_code=o.http_status, error_message=o.error,
             response_time_ms=o.response_time_ms, will_retry=state == "pending",
             next_retry_at=next_at if state == "pending" else None, payload_size_bytes=len(m.body),

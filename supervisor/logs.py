@@ -12,13 +12,13 @@ from typing import Any
 
 import structlog
 
-from outbox.urls import without_query
+from outbox.urls import public_url
 
 
 def _strip_query(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     url = event.get("url")
     if isinstance(url, str) and ("?" in url or "#" in url):
-        event["url"] = without_query(url)
+        event["url"] = public_url(url)
     return event
 
 
