@@ -187,7 +187,8 @@ class Completer:
                 next_at = now
             elif next_at >= m.retry_until:  # never send after first attempt + horizon (§4.1)
                 state, reason, next_at = "dead", "expired", None
-        completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, o.error)
+        completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, o.error,
+                                origin=m.origin if m.origin != m.stored_origin else None)
         if o.action == "release":
             return completion, None
         record = DeliveryAttempt(

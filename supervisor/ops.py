@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from outbox import store
 from outbox.producer import decode_body
 from outbox.schema import attempts, breakers, messages
+from outbox.urls import public_url, redact_urls
 
 MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "auth_secret", "lease_token")]
 
@@ -51,8 +52,22 @@ class Filters:
 
 
 def _message(row: Any) -> dict[str, Any]:
+    """A message for display: buyers put secrets in query strings and userinfo, so every
+    field that may hold a URL (a stream key embeds one, a plain-SQL row may carry anything)
+    shows only :func:`outbox.urls.public_url` forms."""
     data = {c.name: row._mapping[c.name] for c in MESSAGE_COLUMNS}
-    data["url"] = data["url"].split("?", 1)[0]  # query strings may carry buyer secrets
+    data["url"] = public_url(data["url"])
+    for field in ("origin", "sequence_key", "last_error"):
+        if data[field] is not None:
+            data[field] = redact_urls(data[field])
+    return data
+
+
+def _attempt(row: Any) -> dict[str, Any]:
+    data = dict(row._mapping)
+    data["url"] = public_url(data["url"])
+    if data["error"] is not None:
+        data["error"] = redact_urls(data["error"])
     return data
 
 
@@ -72,7 +87,7 @@ async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
         "messages": {s: int(counts.get(s, 0)) for s in ("pending", "in_flight", "delivered", "dead")},
         "oldest_due_age_seconds": round(max(now - oldest, 0.0), 3) if oldest is not None and oldest <= now else 0.0,
         "dead_by_reason": {str(k): int(v) for k, v in sorted(dead.items(), key=lambda kv: str(kv[0]))},
-        "open_breakers": [dict(r) for r in open_rows],
+        "open_breakers": [_breaker(r) for r in open_rows],
         "top_tenants_by_backlog": [{"tenant_id": t, "backlog": int(n)} for t, n in backlog],
     }
 
@@ -82,12 +97,19 @@ async def list_messages(conn: AsyncConnection, filters: Filters) -> list[dict[st
     return [_message(r) for r in rows]
 
 
+class AmbiguousReference(ValueError):
+    """An idempotency key that several tenants use (keys are per tenant): name the id."""
+
+
 async def find(conn: AsyncConnection, ref: str) -> Any | None:
-    """A message by numeric id or by idempotency key."""
+    """A message by numeric id or by idempotency key (refused when several tenants hold it)."""
     condition = messages.c.idempotency_key == ref
     if ref.isdigit():
         condition = or_(messages.c.id == int(ref), condition)
-    return (await conn.execute(select(messages).where(condition))).first()
+    rows = (await conn.execute(select(messages).where(condition).order_by(messages.c.id).limit(2))).all()
+    if len(rows) > 1:
+        raise AmbiguousReference(f"{ref!r} names several messages (keys are per tenant): use the message id")
+    return rows[0] if rows else None
 
 
 async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
@@ -100,7 +122,7 @@ async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
     data["payload"] = _redact(body) if body is not None else None
     history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
                                  .order_by(attempts.c.attempt_number, attempts.c.id))
-    data["attempts"] = [dict(a._mapping) for a in history]
+    data["attempts"] = [_attempt(a) for a in history]
     return data
 
 
@@ -130,7 +152,11 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int]) -> list[d
 
 async def list_breakers(conn: AsyncConnection) -> list[dict[str, Any]]:
     rows = await conn.execute(select(breakers).order_by(breakers.c.tenant_id, breakers.c.origin))
-    return [dict(r) for r in rows.mappings()]
+    return [_breaker(r) for r in rows.mappings()]
+
+
+def _breaker(row: Any) -> dict[str, Any]:
+    return {**row, "origin": redact_urls(row["origin"])}  # a pre-0002 plain-SQL origin kept userinfo
 
 
 async def reset_breaker(conn: AsyncConnection, tenant_id: str, origin: str) -> bool:
