@@ -73,7 +73,7 @@ BEGIN
             RETURN NULL;  -- IDN and anything unusual: the daemon computes it in Python
         END IF;
     END IF;
-    port := parts[2];
+    port := NULLIF(parts[2], '');  -- "host:" has no port
     IF port IS NOT NULL THEN
         port := ltrim(port, '0');
         IF port = '' THEN
