@@ -9,13 +9,14 @@ import json
 import threading
 
 import pytest
+from alembic import command
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 from sqlalchemy import func, inspect, select, text
 
 import outbox
 from outbox.db import make_async_engine, make_engine
 from outbox.identity import stream_key
-from outbox.migrate import upgrade
+from outbox.migrate import alembic_config, current_revision, upgrade
 from outbox.schema import messages, sequences
 from supervisor.sdk import OutboxWebhookSupervisor
 
@@ -193,6 +194,10 @@ def test_migration_converts_an_existing_database(sqlite_url, pg_server_url, tmp_
                           " VALUES (:t, :u, 'https://buyer.example.com', :k, :b)")
             with engine.begin() as conn:
                 conn.execute(insert, {"t": "t1", "u": PNC["url"], "k": KEY, "b": body})
+            upgrade(engine)
+            with engine.begin() as conn:  # and back, and forth again: the downgrade restores 0001
+                command.downgrade(alembic_config(conn), "0001")
+                assert current_revision(conn) == "0001"
             upgrade(engine)
             names = {ix["name"]: ix for ix in inspect(engine).get_indexes("outbox_messages")}
             assert names["outbox_messages_key_tenant_key"]["unique"] and "outbox_messages_idempotency_key_key" not in names

@@ -21,6 +21,10 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -45,25 +49,21 @@ BEGIN
     END IF;
     scheme := lower(parts[1]);
     authority := regexp_replace(parts[2], '^.*@', '');  -- userinfo is never part of an origin
-    IF left(authority, 1) = '[' THEN
-        parts := regexp_match(authority, '^\[([0-9A-Fa-f:]+)\](?::([0-9]*))?$');
-        IF parts IS NULL THEN
-            RETURN NULL;
-        END IF;
+    parts := regexp_match(authority, '^(\[[0-9A-Fa-f:]+\]|[^:]*)(?::([0-9]*))?$');
+    IF parts IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF left(parts[1], 1) = '[' THEN
         BEGIN
-            host := host(parts[1]::inet);
+            host := host(btrim(parts[1], '[]')::inet);
         EXCEPTION WHEN invalid_text_representation THEN
             RETURN NULL;
         END;
-        IF family(parts[1]::inet) <> 6 OR host LIKE '%.%' THEN
+        IF host LIKE '%.%' THEN
             RETURN NULL;  -- IPv4 forms inside IPv6 print differently in Python: the daemon decides
         END IF;
         host := '[' || host || ']';
     ELSE
-        parts := regexp_match(authority, '^([^:]*)(?::([0-9]*))?$');
-        IF parts IS NULL THEN
-            RETURN NULL;
-        END IF;
         host := lower(parts[1]);
         IF host ~ '[^.]\.$' THEN
             host := left(host, -1);  -- one trailing dot
@@ -101,19 +101,6 @@ BEGIN
 END $$
 """
 
-_FILL_0001 = """
-CREATE OR REPLACE FUNCTION outbox_messages_fill() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.origin IS NULL THEN
-        NEW.origin := lower(substring(NEW.url from '^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*'));
-    END IF;
-    IF NEW.body_sha256 IS NULL THEN
-        NEW.body_sha256 := sha256(NEW.body);
-    END IF;
-    RETURN NEW;
-END $$
-"""
-
 # The tenant's stream, keyed as outbox.identity.stream_key(tenant, stream) keys it; a stream
 # continues from the counter its one-argument (pre-0002) key reached.
 _NEXT_SEQUENCE = """
@@ -126,6 +113,16 @@ LANGUAGE sql VOLATILE AS $$
     RETURNING s.last_value
 $$
 """
+
+
+def _revision_0001() -> ModuleType:
+    """The 0001 migration module (its file name is not an importable module name)."""
+    spec = importlib.util.spec_from_file_location("outbox_migration_0001", Path(__file__).with_name(
+        "0001_outbox_tables.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def upgrade() -> None:
@@ -142,7 +139,10 @@ def upgrade() -> None:
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute("DROP FUNCTION IF EXISTS outbox_next_sequence(text, text)")
-        op.execute(_FILL_0001)
+        op.execute("DROP TRIGGER outbox_messages_fill ON outbox_messages")
+        op.execute("DROP FUNCTION outbox_messages_fill()")
+        for statement in _revision_0001()._PG_CONTRACT[1:3]:  # its fill function and trigger
+            op.execute(statement)
         op.execute("DROP FUNCTION IF EXISTS outbox_origin(text)")
     # Fails when two tenants already share a key string: that data has no pre-0002 form.
     op.create_index("outbox_messages_idempotency_key_key", "outbox_messages", ["idempotency_key"], unique=True)
