@@ -69,7 +69,7 @@ def decode_body(body: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def binding_digest(row: Mapping[str, Any]) -> bytes | None:
+def binding_digest(row: Mapping[str, Any], content: Mapping[str, Any] | None = None) -> bytes | None:
     """SHA-256 of the logical notification a message row carries (``None``: body not JSON).
 
     Covers the destination, the auth mode, the horizon, the notification type, the stream
@@ -77,14 +77,15 @@ def binding_digest(row: Mapping[str, Any]) -> bytes | None:
     ``result.sequence_number``. Legacy credentials are left out on purpose: a secret must
     not feed an unkeyed digest, and a rotated credential is transport, not content. JSON
     is canonicalized (sorted keys), so a plain-SQL body with another key order still matches.
+    ``content`` is the body as a mapping when the caller has it (the producer's envelope,
+    which renders to the body): decoding the bytes again would only cost time.
     """
-    body = decode_body(bytes(row["body"]))
+    body = decode_body(bytes(row["body"])) if content is None else content
     if body is None:
         return None
-    for field in TRANSPORT_FIELDS:
-        body.pop(field, None)
-    if row.get("sequence_key") is not None and isinstance(body.get("result"), dict):
-        body["result"].pop("sequence_number", None)
+    body = {name: value for name, value in body.items() if name not in TRANSPORT_FIELDS}
+    if row.get("sequence_key") is not None and isinstance(body.get("result"), Mapping):
+        body["result"] = {name: value for name, value in body["result"].items() if name != "sequence_number"}
     material = {
         "url": row["url"], "auth_mode": row.get("auth_mode") or "rfc9421", "body": body,
         "horizon_seconds": row.get("horizon_seconds"), "notification_type": row.get("notification_type"),

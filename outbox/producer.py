@@ -160,10 +160,11 @@ def _connection(conn: Conn) -> Connection:
 
 
 def _row(
-    tenant_id: str, registration: _Registration, key: str, body: bytes, settings: Settings,
-    columns: Mapping[str, Any],
+    tenant_id: str, registration: _Registration, key: str, body: bytes, content: Mapping[str, Any],
+    settings: Settings, columns: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The message row to insert, with its binding digest (outbox/identity.py)."""
+    """The message row to insert, with its binding digest (outbox/identity.py) over ``content``,
+    the mapping ``body`` was rendered from."""
     secret = None
     if registration.credentials is not None:
         assert settings.encryption_key is not None
@@ -180,7 +181,7 @@ def _row(
         "operation_id": registration.operation_id,
         **columns,
     }
-    row["binding_digest"] = binding_digest(row)
+    row["binding_digest"] = binding_digest(row, content)
     return row
 
 
@@ -248,7 +249,7 @@ def enqueue_task_webhook(
     optional = {"notification_id": notification_id, "message": message, "context_id": context_id,
                 "token": registration.token, "result": result, "context": context}
     envelope.update({k: v for k, v in optional.items() if v is not None})
-    row = _row(tenant, registration, key, _render(envelope), settings,
+    row = _row(tenant, registration, key, _render(envelope), envelope, settings,
                {"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon})
     return store_bound(_connection(conn), row)
 
@@ -305,7 +306,7 @@ def enqueue_delivery_report(
     legacy_stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"  # the pre-0002 key
     columns = {"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE, "task_status": "completed",
                "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon}
-    row = _row(tenant, registration, key, _render(envelope), settings, columns)
+    row = _row(tenant, registration, key, _render(envelope), envelope, settings, columns)
     connection = _connection(conn)
     if idempotency_key is not None:  # a retry must neither conflict late nor consume a number
         replayed = bound_record(connection, tenant, key, row["binding_digest"])
@@ -362,7 +363,8 @@ def enqueue(
         key = _idempotency_key(idempotency_key if idempotency_key is not None else in_payload)
         envelope["idempotency_key"] = key
         body = _render(envelope)
-    row = _row(tenant, registration, key, body, settings,
+        decoded = envelope
+    row = _row(tenant, registration, key, body, decoded, settings,
                {"notification_type": _optional_string(notification_type, "notification_type"),
                 "horizon_seconds": _horizon(horizon_seconds)})
     return store_bound(_connection(conn), row)
