@@ -204,3 +204,20 @@ def test_redaction_keeps_only_scheme_host_and_path(text_in, shown):
     assert redact_urls(text_in) == shown
     if text_in.startswith("https://"):
         assert public_url(text_in) == shown
+
+
+def test_log_lines_lose_every_urls_secrets(capsys):
+    """The structlog processor is the second line of defence for any field that embeds a URL."""
+    import structlog
+
+    from supervisor.logs import configure_logging
+
+    configure_logging("json")
+    try:
+        structlog.get_logger("t").warning("x", url=PLAIN_URL, sequence_key=f"2:t1{REPORTING['url']}",
+                                          error=f"boom at {PLAIN_URL}", message_id=1)
+    finally:
+        structlog.reset_defaults()
+    line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert SECRET not in json.dumps(line) and line["message_id"] == 1
+    assert line["url"] == "HTTPS://Buyer.Example.COM:443/h" and line["sequence_key"].endswith("/reports")
