@@ -73,7 +73,7 @@ messages = Table(
     Column("tenant_id", Text, nullable=False),
     Column("url", Text, nullable=False),
     # scheme://authority (outbox.urls.origin: no userinfo); the circuit-breaker and
-    # connection-pool key. On PostgreSQL a trigger computes it for every insert; the daemon
+    # connection-pool key. On PostgreSQL a trigger computes it when an insert leaves it NULL; the daemon
     # recomputes it for every claimed row and writes back any difference (outbox.store.claim).
     Column("origin", Text),
     Column("idempotency_key", Text, nullable=False),

@@ -9,8 +9,9 @@
   (plain SQL, older releases) keep working; their rows are judged from the stored columns.
 - PostgreSQL: ``outbox_origin(url)`` computes exactly what ``outbox.urls.origin`` gives
   (lowercase scheme and host, default port dropped, no userinfo) or NULL where it cannot
-  (IDN hosts, IPv4-in-IPv6 literals); the insert trigger uses it for every row, and the
-  daemon recomputes every claimed row's origin in Python and writes back any difference.
+  (IDN hosts, IPv4-in-IPv6 literals); the insert trigger uses it for rows that leave origin
+  NULL, and the daemon recomputes every claimed row's origin in Python and writes back any
+  difference (a plain-SQL writer's own origin included).
   ``outbox_next_sequence(tenant, stream)`` allocates on the tenant's own stream, with the
   key ``outbox.identity.stream_key`` builds; the one-argument form stays as it was.
 
@@ -93,7 +94,9 @@ END $$
 _FILL = """
 CREATE OR REPLACE FUNCTION outbox_messages_fill() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    NEW.origin := COALESCE(outbox_origin(NEW.url), NEW.origin);
+    IF NEW.origin IS NULL THEN  -- the Python producer fills it; the daemon corrects any other
+        NEW.origin := outbox_origin(NEW.url);
+    END IF;
     IF NEW.body_sha256 IS NULL THEN
         NEW.body_sha256 := sha256(NEW.body);
     END IF;
