@@ -141,12 +141,11 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
-        op.execute("DROP FUNCTION IF EXISTS outbox_next_sequence(text, text)")
-        op.execute("DROP TRIGGER outbox_messages_fill ON outbox_messages")
-        op.execute("DROP FUNCTION outbox_messages_fill()")
-        for statement in _revision_0001()._PG_CONTRACT[1:3]:  # its fill function and trigger
+        restore_0001_fill = _revision_0001()._PG_CONTRACT[1:3]  # its fill function and trigger
+        for statement in ("DROP FUNCTION outbox_next_sequence(text, text)", "DROP TRIGGER outbox_messages_fill"
+                          " ON outbox_messages", "DROP FUNCTION outbox_messages_fill()", *restore_0001_fill,
+                          "DROP FUNCTION outbox_origin(text)"):
             op.execute(statement)
-        op.execute("DROP FUNCTION IF EXISTS outbox_origin(text)")
     # Fails when two tenants already share a key string: that data has no pre-0002 form.
     op.create_index("outbox_messages_idempotency_key_key", "outbox_messages", ["idempotency_key"], unique=True)
     op.drop_index("outbox_messages_key_tenant_key", table_name="outbox_messages")
