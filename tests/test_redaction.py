@@ -221,3 +221,23 @@ def test_log_lines_lose_every_urls_secrets(capsys):
     line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert SECRET not in json.dumps(line) and line["message_id"] == 1
     assert line["url"] == "HTTPS://Buyer.Example.COM:443/h" and line["sequence_key"].endswith("/reports")
+
+
+async def test_an_error_quoting_a_url_is_recorded_without_its_secrets(engine, settings):
+    from supervisor.attempt import Outcome
+
+    with engine.begin() as conn:
+        _plain_sql_row(conn, "whk_error_quotes_a_url_1", "https://buyer.example.com/h")
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            (claimed,) = await store.claim(conn, limit=5, lease_seconds=30, horizon_seconds=86_400, daemon_id="u")
+        completer = Completer(async_engine, settings=settings, daemon_id="u", metrics=Metrics(),
+                              fanout=SinkFanout([], timeout=1), outage=OutageGuard(5))
+        await completer._flush_until_done([Outcome.dead(claimed, "invalid", f"refused {PLAIN_URL} today")])
+    finally:
+        await async_engine.dispose()
+    with engine.connect() as conn:
+        last_error = conn.execute(select(messages.c.last_error)).scalar_one()
+        error = conn.execute(select(attempts.c.error)).scalar_one()
+    assert last_error == error == "refused HTTPS://Buyer.Example.COM:443/h today"
