@@ -18,7 +18,8 @@ class OutboxValidationError(ValueError):
 
 
 class IdempotencyConflictError(OutboxValidationError):
-    """The tenant's ``idempotency_key`` is already bound to another notification.
+    """The tenant's ``idempotency_key`` is already bound to another notification
+    (docs/protocol.md "Idempotency").
 
     AdCP binds a delivery key immutably to its first payload for the whole retry horizon;
     a changed payload needs a fresh key. What counts as "changed" is defined once, in

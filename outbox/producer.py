@@ -2,7 +2,7 @@
 
 Everything is validated and rendered before the first write, so a rejected call leaves the
 caller's transaction untouched. The body is serialized exactly once, here, and those bytes
-are what every attempt and every replay will POST (DESIGN.md principle 2). Nothing here
+are what every attempt and every replay will POST (docs/architecture.md, "Exact bytes"). Nothing here
 commits: the message exists if and only if the seller's transaction commits.
 """
 
@@ -105,7 +105,7 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
             raise OutboxValidationError(f"{field}.token", "must be a string of 16 to 4096 characters")
     operation_id = config.get("operation_id")
     if require_operation_id or operation_id is not None:
-        # adcp-webhooks.md §1.1: echoed verbatim, never derived from the URL.
+        # docs/protocol.md "Webhook bodies": echoed verbatim, never derived from the URL.
         _check_string(operation_id, f"{field}.operation_id", protocol.OPERATION_ID_RE)
     auth_mode, credentials = "rfc9421", None
     authentication = config.get("authentication")
@@ -136,7 +136,7 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
 
 def _idempotency_key(given: str | None) -> str:
     if given is None:
-        return f"whk_{uuid.uuid4()}"  # §1.4: cryptographically random, the SDK's format
+        return f"whk_{uuid.uuid4()}"  # docs/protocol.md "Idempotency": cryptographically random, the SDK's format
     return _check_string(given, "idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
 
 
@@ -194,7 +194,7 @@ def _horizon(horizon_seconds: Any) -> int | None:
         return None
     if not isinstance(horizon_seconds, int) or isinstance(horizon_seconds, bool) \
             or not 86_400 <= horizon_seconds <= 604_800:
-        raise OutboxValidationError("horizon_seconds", "must be within 86400..604800 (adcp-webhooks.md §4.1)")
+        raise OutboxValidationError("horizon_seconds", "must be within 86400..604800 (docs/protocol.md, 'Retry horizon')")
     return horizon_seconds
 
 
@@ -215,7 +215,7 @@ def enqueue_task_webhook(
     horizon_seconds: int | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
-    """Enqueue an MCP task-status webhook (adcp-webhooks.md §1.1) in the caller's transaction.
+    """Enqueue an MCP task-status webhook (docs/protocol.md "Webhook bodies") in the caller's transaction.
 
     Call it in the same transaction that moves the task to ``status``; it never commits.
     Terminal statuses get ``notification_id = "<task_id>.terminal"`` unless given.
@@ -269,9 +269,9 @@ def enqueue_delivery_report(
 ) -> EnqueuedMessage:
     """Enqueue a ``media_buy_delivery`` report with the stream's next ``sequence_number``.
 
-    The number is allocated in the caller's transaction (adcp-webhooks.md §5): it starts at
-    1, has no gaps, increases in commit order, and a rollback gives it back. The stream is
-    the tenant's: tenant + media buy + receiver URL by default (each subscriber sees
+    The number is allocated in the caller's transaction (docs/protocol.md "Delivery
+    reports"): it starts at 1, has no gaps, increases in commit order, and a rollback gives
+    it back. The stream is the tenant's: tenant + media buy + receiver URL by default (each subscriber sees
     contiguous numbers), or tenant + ``stream_key``. Everything that can fail, the
     idempotency check included, runs before the number is allocated. The stream row stays
     locked until the caller commits: enqueue reports last.
@@ -336,7 +336,7 @@ def enqueue(
     horizon_seconds: int | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
-    """Enqueue any other AdCP notification body on the same delivery contract (§1.3).
+    """Enqueue any other AdCP notification body on the same delivery contract (docs/protocol.md "Webhook bodies").
 
     ``payload`` is a mapping (its ``idempotency_key`` is set, or minted) or the exact JSON
     bytes to send, which must be an object carrying a valid ``idempotency_key``.

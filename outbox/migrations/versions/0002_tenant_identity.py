@@ -16,7 +16,7 @@
   key ``outbox.identity.stream_key`` builds; the one-argument form stays as it was.
 
 Revision ID: 0002_tenant_identity
-Revises: 0001
+Revises: 0006_reader_revision
 Create Date: 2026-12-01
 """
 
@@ -29,8 +29,11 @@ from types import ModuleType
 import sqlalchemy as sa
 from alembic import op
 
+from outbox.migrate import record_min_reader
+from outbox.schema import schema_compat
+
 revision = "0002_tenant_identity"
-down_revision = "0001"
+down_revision = "0006_reader_revision"
 branch_labels = None
 depends_on = None
 
@@ -137,9 +140,12 @@ def upgrade() -> None:
         op.execute(_ORIGIN)
         op.execute(_FILL)
         op.execute(_NEXT_SEQUENCE)
+    # Additive for daemons: the previous release's daemon keeps running on this schema.
+    record_min_reader(revision, down_revision)
 
 
 def downgrade() -> None:
+    op.execute(sa.delete(schema_compat).where(schema_compat.c.revision == revision))
     if op.get_bind().dialect.name == "postgresql":
         restore_0001_fill = _revision_0001()._PG_CONTRACT[1:3]  # its fill function and trigger
         for statement in ("DROP FUNCTION outbox_next_sequence(text, text)", "DROP TRIGGER outbox_messages_fill"
