@@ -27,7 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, select, text
+from weakref import WeakKeyDictionary
+
+from sqlalchemy import Connection, Engine, inspect, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
@@ -95,10 +97,26 @@ def binding_digest(row: Mapping[str, Any], content: Mapping[str, Any] | None = N
     return hashlib.sha256(canonical.encode("utf-8")).digest()
 
 
-_LOOKUP = select(
-    messages.c.id, messages.c.sequence_number, messages.c.binding_digest, messages.c.body, messages.c.url,
-    messages.c.auth_mode, messages.c.horizon_seconds, messages.c.notification_type, messages.c.sequence_key,
-)
+_HAS_DIGEST: WeakKeyDictionary[Engine, bool] = WeakKeyDictionary()
+
+
+def _has_digest_column(connection: Connection) -> bool:
+    """Whether the schema is at 0002 or later (asked once per engine).
+
+    The upgrade order is library first, then ``outboxd migrate``: until the migration runs,
+    this release stores rows without a digest, and they are judged by their content like
+    any plain-SQL row. (A process started before the migration keeps doing so until restarted.)
+    """
+    known = _HAS_DIGEST.get(connection.engine)
+    if known is None:
+        columns = inspect(connection).get_columns(messages.name)
+        known = _HAS_DIGEST[connection.engine] = any(c["name"] == "binding_digest" for c in columns)
+    return known
+
+
+_LOOKUP_COLUMNS = (messages.c.id, messages.c.sequence_number, messages.c.body, messages.c.url, messages.c.auth_mode,
+                   messages.c.horizon_seconds, messages.c.notification_type, messages.c.sequence_key)
+_LOOKUPS = {True: select(*_LOOKUP_COLUMNS, messages.c.binding_digest), False: select(*_LOOKUP_COLUMNS)}
 
 
 def bound_record(connection: Connection, tenant_id: str, key: str, digest: bytes) -> EnqueuedMessage | None:
@@ -106,12 +124,11 @@ def bound_record(connection: Connection, tenant_id: str, key: str, digest: bytes
 
     Raises :class:`IdempotencyConflictError` when the key is bound to another notification.
     """
-    row = connection.execute(
-        _LOOKUP.where(messages.c.tenant_id == tenant_id, messages.c.idempotency_key == key)
-    ).first()
+    lookup = _LOOKUPS[_has_digest_column(connection)]
+    row = connection.execute(lookup.where(messages.c.tenant_id == tenant_id, messages.c.idempotency_key == key)).first()
     if row is None:
         return None
-    stored = row.binding_digest
+    stored = row._mapping.get("binding_digest")
     stored = binding_digest(row._mapping) if stored is None else bytes(stored)  # NULL: plain SQL or older writer
     if stored is None or not hmac.compare_digest(stored, digest):
         raise IdempotencyConflictError(key)
@@ -130,7 +147,10 @@ _INSERTS = {
 
 def insert_new(connection: Connection, row: Mapping[str, Any]) -> int | None:
     """Insert ``row``; its id, or ``None`` when the key is already taken."""
-    return connection.execute(_INSERTS[connection.dialect.name], dict(row)).scalar()
+    values = dict(row)
+    if not _has_digest_column(connection):
+        del values["binding_digest"]
+    return connection.execute(_INSERTS[connection.dialect.name], values).scalar()
 
 
 def store_bound(connection: Connection, row: Mapping[str, Any]) -> EnqueuedMessage:
