@@ -208,8 +208,8 @@ def test_migration_converts_an_existing_database(sqlite_url, pg_server_url, tmp_
             early.dispose()
             upgrade(engine)
             with engine.begin() as conn:  # and back, and forth again: the downgrade restores 0001
-                command.downgrade(alembic_config(conn), "0006_reader_revision")
-                assert current_revision(conn) == "0006_reader_revision"
+                command.downgrade(alembic_config(conn), "0003_breaker_window")
+                assert current_revision(conn) == "0003_breaker_window"
             upgrade(engine)
             names = {ix["name"]: ix for ix in inspect(engine).get_indexes("outbox_messages")}
             assert names["outbox_messages_key_tenant_key"]["unique"] and "outbox_messages_idempotency_key_key" not in names

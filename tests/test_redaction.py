@@ -52,7 +52,8 @@ async def _run_daemon_once(engine, settings, tmp_path) -> None:
     keys = KeyResolver(outbox.load_settings(env={}, signing_key_file=str(pem), signing_key_id="k"))
     try:
         async with async_engine.begin() as conn:
-            claimed = await store.claim(conn, limit=50, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit")
+            claimed = await store.claim(conn, limit=50, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit",
+                                        endpoint_concurrency=8)
         outcomes = [await attempt(m, settings=settings, keys=keys, sender=sender) for m in claimed]
         completer = Completer(async_engine, settings=settings, daemon_id="unit", metrics=Metrics(),
                               fanout=SinkFanout([], timeout=1), outage=OutageGuard(5))
@@ -231,7 +232,8 @@ async def test_an_error_quoting_a_url_is_recorded_without_its_secrets(engine, se
     async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
     try:
         async with async_engine.begin() as conn:
-            (claimed,) = await store.claim(conn, limit=5, lease_seconds=30, horizon_seconds=86_400, daemon_id="u")
+            (claimed,) = await store.claim(conn, limit=5, lease_seconds=30, horizon_seconds=86_400, daemon_id="u",
+                                                  endpoint_concurrency=8)
         completer = Completer(async_engine, settings=settings, daemon_id="u", metrics=Metrics(),
                               fanout=SinkFanout([], timeout=1), outage=OutageGuard(5))
         await completer._flush_until_done([Outcome.dead(claimed, "invalid", f"refused {PLAIN_URL} today")])

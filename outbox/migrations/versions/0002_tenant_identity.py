@@ -16,7 +16,7 @@
   key ``outbox.identity.stream_key`` builds; the one-argument form stays as it was.
 
 Revision ID: 0002_tenant_identity
-Revises: 0006_reader_revision
+Revises: 0003_breaker_window
 Create Date: 2026-12-01
 """
 
@@ -33,7 +33,7 @@ from outbox.migrate import record_min_reader
 from outbox.schema import schema_compat
 
 revision = "0002_tenant_identity"
-down_revision = "0006_reader_revision"
+down_revision = "0003_breaker_window"
 branch_labels = None
 depends_on = None
 
