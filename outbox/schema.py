@@ -72,12 +72,16 @@ messages = Table(
     Column("id", _Id, primary_key=True, autoincrement=True),
     Column("tenant_id", Text, nullable=False),
     Column("url", Text, nullable=False),
-    # scheme://authority; the circuit-breaker and connection-pool key. Filled by a trigger
-    # on PostgreSQL when a plain-SQL producer leaves it NULL.
+    # scheme://authority (outbox.urls.origin: no userinfo); the circuit-breaker and
+    # connection-pool key. On PostgreSQL a trigger computes it when an insert leaves it NULL; the daemon
+    # recomputes it for every claimed row and writes back any difference (outbox.store.claim).
     Column("origin", Text),
     Column("idempotency_key", Text, nullable=False),
     Column("body", LargeBinary, nullable=False),
     Column("body_sha256", LargeBinary),
+    # What the idempotency key is bound to (outbox/identity.py: binding_digest). NULL from
+    # plain-SQL producers and older releases: then it is computed from the stored row.
+    Column("binding_digest", LargeBinary),
     Column("auth_mode", Text, nullable=False, server_default="rfc9421"),
     Column("auth_secret", LargeBinary),  # AES-256-GCM: nonce || ciphertext+tag
     Column("task_id", Text),
@@ -111,7 +115,8 @@ messages = Table(
         "horizon_seconds IS NULL OR horizon_seconds BETWEEN 86400 AND 604800",
         name="outbox_messages_horizon_check",
     ),
-    Index("outbox_messages_idempotency_key_key", "idempotency_key", unique=True),
+    # Identity is per tenant: another tenant's identical key string is another message.
+    Index("outbox_messages_key_tenant_key", "idempotency_key", "tenant_id", unique=True),
     # The claim path: only what is due is indexed, so millions of delivered rows cost
     # nothing (docs/architecture.md, "The message state machine").
     Index(

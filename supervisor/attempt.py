@@ -43,6 +43,10 @@ class Outcome:
         return cls(message, "dead", "failed", reason=reason, error=error[:200])
 
 
+class UnusableCredential(ValueError):
+    """A stored legacy credential that opens but can never be sent: the message is invalid."""
+
+
 class PreparationError(Exception):
     """The attempt cannot be made now for a reason of the daemon's, not the message's."""
 
@@ -78,9 +82,10 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource
                  clock: Clock = time.time) -> dict[str, str]:
     """Transport metadata for this attempt: the only thing that changes between attempts.
 
-    RFC 9421 unless the buyer registered legacy ``authentication`` — never both (docs/protocol.md "Legacy credentials").
-    Raises :class:`SealError` for credentials that do not open and
-    :class:`PreparationError` when the daemon lacks a key.
+    RFC 9421 unless the buyer registered legacy ``authentication`` — never both
+    (docs/protocol.md "Legacy credentials").
+    Raises :class:`SealError` for credentials that do not open, :class:`UnusableCredential`
+    for ones that cannot be a header, and :class:`PreparationError` when the daemon lacks a key.
     """
     if message.auth_mode == "rfc9421":
         try:
@@ -92,6 +97,10 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource
         raise PreparationError("legacy credentials stored but OUTBOX_ENCRYPTION_KEY is not set")
     assert message.auth_secret is not None
     secret = unseal(settings.encryption_key, message.auth_secret, message.idempotency_key.encode())
+    if not protocol.LEGACY_CREDENTIAL_RE.fullmatch(secret.decode("latin-1")):
+        # Enqueue refuses these; a plain-SQL or older row may still hold one, and it can never
+        # become a header: dead now rather than a crash or a retry loop to the horizon.
+        raise UnusableCredential("stored legacy credential is not visible ASCII")
     if message.auth_mode == "hmac":
         return {"Content-Type": CONTENT_TYPE, **hmac_headers(secret, message.body, clock=clock)}
     return {"Content-Type": CONTENT_TYPE, **bearer_headers(secret.decode())}
@@ -110,7 +119,7 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
         return Outcome.dead(message, "invalid", problem)
     try:
         headers = auth_headers(message, url, settings, keys, clock)
-    except SealError as exc:
+    except (SealError, UnusableCredential) as exc:
         return Outcome.dead(message, "invalid", str(exc))
     except PreparationError as exc:
         return Outcome(message, "retry", "failed", error=str(exc)[:200])
