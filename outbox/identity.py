@@ -34,6 +34,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
 from outbox.schema import messages
+from outbox.wire import json_default
 
 # Top-level body fields that describe the rendering, not the notification.
 TRANSPORT_FIELDS = ("timestamp",)
@@ -93,7 +94,8 @@ def binding_digest(row: Mapping[str, Any], content: Mapping[str, Any] | None = N
         "horizon_seconds": row.get("horizon_seconds"), "notification_type": row.get("notification_type"),
         "sequence_key": row.get("sequence_key"),
     }
-    canonical = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                           default=json_default)
     return hashlib.sha256(canonical.encode("utf-8")).digest()
 
 

@@ -27,7 +27,8 @@ from supervisor.cli import main
 from supervisor.completer import Completer
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
-from supervisor.signing import KeyResolver, generate_signing_key_pem
+from supervisor.keyring_cache import CachedKeyring
+from supervisor.signing import generate_signing_key_pem
 from supervisor.transport import HttpSender
 
 SECRET = "SENTINEL"
@@ -49,8 +50,9 @@ async def _run_daemon_once(engine, settings, tmp_path) -> None:
     pem.write_bytes(generate_signing_key_pem())
     async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
     sender = HttpSender(settings)
-    keys = KeyResolver(outbox.load_settings(env={}, signing_key_file=str(pem), signing_key_id="k"))
+    keys = CachedKeyring(outbox.load_settings(env={}, signing_key_file=str(pem), signing_key_id="k"))
     try:
+        await keys.start(async_engine)  # the daemon's keyring, seeded from the key file
         async with async_engine.begin() as conn:
             claimed = await store.claim(conn, limit=50, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit",
                                         endpoint_concurrency=8)

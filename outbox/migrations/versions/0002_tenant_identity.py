@@ -16,7 +16,7 @@
   key ``outbox.identity.stream_key`` builds; the one-argument form stays as it was.
 
 Revision ID: 0002_tenant_identity
-Revises: 0003_breaker_window
+Revises: 0004_keyring
 Create Date: 2026-12-01
 """
 
@@ -33,7 +33,7 @@ from outbox.migrate import record_min_reader
 from outbox.schema import schema_compat
 
 revision = "0002_tenant_identity"
-down_revision = "0003_breaker_window"
+down_revision = "0004_keyring"
 branch_labels = None
 depends_on = None
 
