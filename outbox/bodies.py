@@ -1,8 +1,7 @@
 """Stored webhook bodies: opening them, and re-sealing them onto the active key.
 
 A body is stored either as the exact bytes to send or sealed under an encryption key
-(:mod:`outbox.sealing`); :func:`plaintext` is the one way to read what a row sends (the
-daemon before signing, ``outboxd show`` and the console before masking). Re-sealing moves rows to the active key (and seals
+(:mod:`outbox.sealing`, whose ``plaintext`` is the one way to read what a row sends). Re-sealing moves rows to the active key (and seals
 rows written in plaintext, e.g. by a plain-SQL producer) in short batches, so a key
 rotation never stops delivery: see docs/encryption.md.
 """
@@ -17,19 +16,10 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.config import Settings
-from outbox.producer import sealed_row
-from outbox.sealing import BODY, CREDENTIAL, SealError, SealingKeys
+from outbox.identity import binding_digest
+from outbox.sealing import CREDENTIAL, SealError, SealingKeys, plaintext, sealed_row
 from outbox.schema import messages
 
-
-
-def plaintext(row: Any, keys: SealingKeys | None) -> bytes:
-    """The exact bytes a row sends: its body, opened when sealed (raises ``SealError``)."""
-    if row.body_key_id is None:
-        return bytes(row.body)
-    if keys is None:
-        raise SealError(f"body is sealed under key {row.body_key_id} but OUTBOX_ENCRYPTION_KEY is not set")
-    return keys.open(BODY, bytes(row.body), tenant_id=row.tenant_id, idempotency_key=row.idempotency_key)
 
 
 def encryption_summary(settings: Settings) -> str:
@@ -64,15 +54,15 @@ async def reseal_batch(conn: AsyncConnection, keys: SealingKeys, *, after_id: in
                        limit: int = 200) -> tuple[int, int | None, list[int]]:
     """Re-seal up to ``limit`` rows (id > ``after_id``) not yet under the active key.
 
-    Returns (rows re-sealed, the last id looked at or ``None`` when none is left, ids that
+    The row's binding digest is recomputed under the new key in the same update. Returns (rows re-sealed, the last id looked at or ``None`` when none is left, ids that
     do not open). The plaintext is the same before and after, so a delivery in flight
     sends identical bytes. Each update is fenced on the key it read, so a concurrent
     re-sealer (another daemon) never overwrites newer work. A row that does not open is
     left alone for the daemon to end ``dead invalid`` when it comes due.
     """
-
     query = (select(messages.c.id, messages.c.tenant_id, messages.c.idempotency_key, messages.c.body,
-                    messages.c.body_key_id, messages.c.auth_secret)
+                    messages.c.body_key_id, messages.c.auth_secret, messages.c.url, messages.c.auth_mode,
+                    messages.c.horizon_seconds, messages.c.notification_type, messages.c.sequence_key)
              .where(and_(messages.c.id > after_id, _not_under(keys.active_id)))
              .order_by(messages.c.id).limit(limit))
     if conn.dialect.name == "postgresql":
@@ -91,6 +81,8 @@ async def reseal_batch(conn: AsyncConnection, keys: SealingKeys, *, after_id: in
                             credentials=None if credential is None else credential.decode())
         if row.auth_secret is None:
             values.pop("auth_secret")
+        # The binding digest moves to the new key too (and a plain-SQL row gets its first).
+        values["binding_digest"] = binding_digest({**row._mapping, **values, "body": body}, keys)
         fence = messages.c.body_key_id.is_(None) if row.body_key_id is None else \
             messages.c.body_key_id == row.body_key_id
         result = await conn.execute(update(messages).where(and_(messages.c.id == row.id, fence)).values(**values))

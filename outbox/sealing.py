@@ -18,6 +18,7 @@ import functools
 import hashlib
 import hmac
 import os
+from typing import Any
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
@@ -133,3 +134,36 @@ def sealing_keys(active: bytes | None, older: tuple[bytes, ...] = ()) -> Sealing
     Cached: building the ciphers costs more than sealing a small body.
     """
     return None if active is None else SealingKeys(active, older)
+
+
+def sealed_row(keys: SealingKeys | None, *, tenant_id: str, idempotency_key: str, body: bytes,
+               credentials: str | None, seal_body: bool = True) -> dict[str, Any]:
+    """The stored columns of a body and its legacy credential: sealed when a key is configured.
+
+    One function for the producer and for the re-sealing of existing rows, so both store
+    exactly the same shape. ``body_sha256`` covers the stored bytes, never the plaintext.
+    ``seal_body=False`` (a schema without ``body_key_id``) seals only the credential.
+    """
+    secret = None
+    if credentials is not None:
+        assert keys is not None  # enqueue refuses credentials without a key
+        secret = keys.seal(CREDENTIAL, credentials.encode(), tenant_id=tenant_id, idempotency_key=idempotency_key)
+    if keys is None or not seal_body:  # no body_key_id written: as a release without sealing writes it
+        return {"body": body, "body_sha256": hashlib.sha256(body).digest(), "auth_secret": secret}
+    stored = keys.seal(BODY, body, tenant_id=tenant_id, idempotency_key=idempotency_key)
+    return {"body": stored, "body_sha256": hashlib.sha256(stored).digest(), "body_key_id": keys.active_id,
+            "auth_secret": secret}
+
+
+def plaintext(row: Any, keys: SealingKeys | None) -> bytes:
+    """The exact bytes a stored row (``body``, ``body_key_id``, ``tenant_id``,
+    ``idempotency_key`` attributes) sends: its body, opened when sealed (else :class:`SealError`).
+
+    The one way to read what a row sends: the daemon before signing, the idempotency check
+    on a sealed twin, ``outboxd show`` and the console before masking.
+    """
+    if row.body_key_id is None:
+        return bytes(row.body)
+    if keys is None:
+        raise SealError(f"body is sealed under key {row.body_key_id} but OUTBOX_ENCRYPTION_KEY is not set")
+    return keys.open(BODY, bytes(row.body), tenant_id=row.tenant_id, idempotency_key=row.idempotency_key)

@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from outbox.bodies import plaintext
+from outbox.sealing import plaintext
 from outbox.config import Settings
 from outbox.schema import messages
 

@@ -14,7 +14,7 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
 import outbox
-from outbox.bodies import plaintext
+from outbox.sealing import plaintext
 from outbox.config import ConfigurationError, load_settings
 from outbox.schema import messages
 from outbox.sealing import SealError, key_id

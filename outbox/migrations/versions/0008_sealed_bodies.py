@@ -4,7 +4,7 @@ Additive, so daemons of the previous release keep working. They cannot open a se
 body, though, so upgrade the daemons before the producers (docs/encryption.md).
 
 Revision ID: 0008_sealed_bodies
-Revises: 0003_breaker_window
+Revises: 0002_tenant_identity
 Create Date: 2026-12-01
 """
 
@@ -16,7 +16,7 @@ from alembic import op
 from outbox.migrate import record_min_reader
 
 revision = "0008_sealed_bodies"
-down_revision = "0003_breaker_window"
+down_revision = "0002_tenant_identity"
 branch_labels = None
 depends_on = None
 
