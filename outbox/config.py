@@ -20,6 +20,7 @@ from outbox.errors import ConfigurationError
 ENV_PREFIX = "OUTBOX_"
 MIN_HORIZON = 86_400  # adcp-webhooks.md §4.1: delivery_retry_horizon_seconds 86400..604800
 MAX_HORIZON = 604_800
+MIN_ACTIVITY_RETENTION_DAYS = 30  # webhook-activity-record: retained >= 30 days after completed_at
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -58,6 +59,12 @@ class Settings:
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False
     log_format: str = "auto"  # auto | json | console
+    # Account-level subscribers (docs/subscribers.md): the seller agent URL named in every
+    # webhook.challenge, how many proof attempts a URL gets, and how long attempt history is
+    # kept for webhook_activity[] (AdCP: at least 30 days after completed_at).
+    seller_agent_url: str | None = None
+    proof_max_attempts: int = 8
+    activity_retention_days: int = MIN_ACTIVITY_RETENTION_DAYS
 
     def __post_init__(self) -> None:
         if not MIN_HORIZON <= self.retry_horizon_seconds <= MAX_HORIZON:
@@ -70,7 +77,12 @@ class Settings:
                 "OUTBOX_LEASE_SECONDS must exceed connect + read timeout, or a slow request "
                 "could outlive its lease and be sent twice at once"
             )
-        for name in ("concurrency", "endpoint_concurrency", "claim_batch"):
+        if self.activity_retention_days < MIN_ACTIVITY_RETENTION_DAYS:
+            raise ConfigurationError(
+                f"OUTBOX_ACTIVITY_RETENTION_DAYS must be at least {MIN_ACTIVITY_RETENTION_DAYS} "
+                f"(AdCP webhook_activity retention), got {self.activity_retention_days}"
+            )
+        for name in ("concurrency", "endpoint_concurrency", "claim_batch", "proof_max_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"OUTBOX_{name.upper()} must be at least 1")
         if self.log_format not in ("auto", "json", "console"):

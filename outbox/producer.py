@@ -224,6 +224,17 @@ def _tenant(tenant_id: Any) -> str:
     return _check_string(tenant_id, "tenant_id")
 
 
+def _event_id(body: Mapping[str, Any]) -> str | None:
+    """The payload's ``notification_id`` when it is a valid one, kept for the activity log."""
+    value = body.get("notification_id")
+    return value if isinstance(value, str) and protocol.NOTIFICATION_ID_RE.fullmatch(value) else None
+
+
+def principal(principal_id: Any) -> str | None:
+    """The buyer principal a notification belongs to (``None``: the seller did not say)."""
+    return _optional_string(principal_id, "principal_id")
+
+
 def _horizon(horizon_seconds: Any) -> int | None:
     if horizon_seconds is None:
         return None
@@ -248,12 +259,14 @@ def enqueue_task_webhook(
     idempotency_key: str | None = None,
     notification_id: str | None = None,
     horizon_seconds: int | None = None,
+    principal_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue an MCP task-status webhook (adcp-webhooks.md §1.1) in the caller's transaction.
 
     Call it in the same transaction that moves the task to ``status``; it never commits.
     Terminal statuses get ``notification_id = "<task_id>.terminal"`` unless given.
+    ``principal_id`` names the buyer principal the notification belongs to.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -287,7 +300,8 @@ def enqueue_task_webhook(
     body = _render(envelope)
     return _store(
         _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
-        columns={"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon},
+        columns={"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon,
+                 "notification_id": notification_id, "principal_id": principal(principal_id)},
     )
 
 
@@ -302,6 +316,7 @@ def enqueue_delivery_report(
     task_id: str | None = None,
     idempotency_key: str | None = None,
     horizon_seconds: int | None = None,
+    principal_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue a ``media_buy_delivery`` report with the stream's next ``sequence_number``.
@@ -310,6 +325,7 @@ def enqueue_delivery_report(
     1, has no gaps, increases in commit order, and a rollback gives it back. The stream
     defaults to tenant + media buy + receiver URL, so each subscriber sees contiguous
     numbers. The stream row stays locked until the caller commits: enqueue reports last.
+    ``principal_id`` scopes the report's attempts in :func:`outbox.webhook_activity`.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -323,6 +339,7 @@ def enqueue_delivery_report(
     _optional_string(stream_key, "stream_key")
     _optional_string(task_id, "task_id")
     horizon = _horizon(horizon_seconds)  # every check before the sequence number is allocated
+    owner = principal(principal_id)
     key = _idempotency_key(idempotency_key)
     connection = _connection(conn)
     replayed = _replayed_key(connection, idempotency_key)
@@ -349,7 +366,8 @@ def enqueue_delivery_report(
         connection, tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
         columns={"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE,
                  "task_status": "completed", "notification_type": notification_type,
-                 "sequence_key": stream, "sequence_number": sequence_number, "horizon_seconds": horizon},
+                 "sequence_key": stream, "sequence_number": sequence_number, "horizon_seconds": horizon,
+                 "media_buy_id": media_buy_id, "principal_id": owner},
     )
 
 
@@ -363,12 +381,15 @@ def enqueue(
     authentication: Mapping[str, Any] | None = None,
     notification_type: str | None = None,
     horizon_seconds: int | None = None,
+    principal_id: str | None = None,
+    media_buy_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue any other AdCP notification body on the same delivery contract (§1.3).
 
     ``payload`` is a mapping (its ``idempotency_key`` is set, or minted) or the exact JSON
     bytes to send, which must be an object carrying a valid ``idempotency_key``.
+    ``principal_id`` and ``media_buy_id`` attribute it in :func:`outbox.webhook_activity`.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -382,6 +403,7 @@ def enqueue(
         if decoded is None:
             raise OutboxValidationError("payload", "must be a UTF-8 JSON object")
         key = _check_string(decoded.get("idempotency_key"), "payload.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+        event = decoded
         if idempotency_key is not None and idempotency_key != key:
             raise OutboxValidationError("idempotency_key", "differs from payload.idempotency_key")
     else:
@@ -392,10 +414,13 @@ def enqueue(
         key = _idempotency_key(idempotency_key if idempotency_key is not None else in_payload)
         envelope["idempotency_key"] = key
         body = _render(envelope)
+        event = envelope
     return _store(
         _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
         columns={"notification_type": _optional_string(notification_type, "notification_type"),
-                 "horizon_seconds": _horizon(horizon_seconds)},
+                 "horizon_seconds": _horizon(horizon_seconds), "principal_id": principal(principal_id),
+                 "media_buy_id": _optional_string(media_buy_id, "media_buy_id"),
+                 "notification_id": _event_id(event)},
     )
 
 

@@ -153,6 +153,7 @@ class _Statements:
                 retry_until = CASE WHEN :force THEN NULL ELSE retry_until END
             WHERE id IN :ids AND state IN ('dead', 'delivered')
               AND (:force OR retry_until IS NULL OR retry_until > {now})
+              AND COALESCE(dead_reason, '') <> 'proof_failed' -- never to a URL that failed its proof
             RETURNING id
         """).bindparams(bindparam("ids", expanding=True))
 

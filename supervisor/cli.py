@@ -207,7 +207,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
                 [c["id"] for c in eligible] if args.dry_run else replayed,
                 "refused": [{"id": c["id"], "state": c["state"],
                              "why": "past its retry horizon (use --force)" if c["replayable"] else
-                             f"state is {c['state']}"} for c in refused],
+                             f"state is {c['state']} ({c['dead_reason'] or '-'})"} for c in refused],
                 "missing": missing}
 
     if args.force:

@@ -123,7 +123,8 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int]) -> list[d
     for row in rows:
         item = _message(row)
         item["past_horizon"] = row.retry_until is not None and row.retry_until <= now
-        item["replayable"] = row.state in ("dead", "delivered")
+        # A fire whose subscriber URL failed its proof is never sent there (docs/subscribers.md).
+        item["replayable"] = row.state in ("dead", "delivered") and row.dead_reason != "proof_failed"
         result.append(item)
     return result
 

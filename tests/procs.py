@@ -65,12 +65,12 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 
 
 @contextmanager
-def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver"
-             ) -> Iterator[tuple[int, Path]]:
+def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver",
+             log_bodies: bool = False) -> Iterator[tuple[int, Path]]:
     """A receiver process; yields (port, arrivals JSONL file)."""
     port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
     args = [sys.executable, "-m", "supervisor.receiver", "--port-file", str(port_file), "--log", str(log),
-            "--verifier", verifier]
+            "--verifier", verifier, *(["--log-bodies"] if log_bodies else [])]
     if jwks is not None:
         args += ["--jwks", str(jwks)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)

@@ -1,0 +1,184 @@
+"""Account-level subscribers and enqueue_event, on PostgreSQL and SQLite (no daemon).
+
+Oracles: the AdCP 3.2 JSON schemas the ``adcp`` package ships (challenge bodies, fires,
+credential-free state readback).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import select
+
+import outbox
+from outbox.activity import public_url
+from outbox.config import with_overrides
+from outbox.schema import messages, subscribers
+from outbox.subscribers import HOLD_UNTIL
+from tests.adcp_schema import assert_valid
+
+ACCOUNT = "acct_1"
+STATUS_EVENT = {"account_id": ACCOUNT, "previous_status": "pending_approval", "status": "active",
+                "observed_at": "2026-12-01T10:00:00Z", "reason_code": "seller_approved"}
+
+
+@pytest.fixture
+def cfg(settings):
+    return with_overrides(settings, seller_agent_url="https://seller.example/adcp")
+
+
+def config(sid: str, url: str = "http://127.0.0.1:9/hook", events=("account.status_changed",), **extra):
+    return {"subscriber_id": sid, "url": url, "event_types": list(events), **extra}
+
+
+def register(engine, cfg, entry, principal_id=None):
+    with engine.begin() as conn:
+        return outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, notification_config=entry,
+                                          principal_id=principal_id, settings=cfg)
+
+
+def rows(engine, *where):
+    with engine.connect() as conn:
+        return conn.execute(select(messages).where(*where).order_by(messages.c.id)).all()
+
+
+def test_a_new_subscriber_is_proven_before_it_is_active(engine, cfg):
+    record = register(engine, cfg, config("buyer-primary"))
+    assert record.state == "pending_proof" and record.active
+    (challenge,) = rows(engine)
+    assert challenge.notification_type == "webhook.challenge" and challenge.auth_mode == "rfc9421"
+    assert challenge.subscriber_ref is not None and challenge.url == "http://127.0.0.1:9/hook"
+    assert_valid(challenge.body, "core/webhook-challenge.json")
+    body = json.loads(challenge.body)
+    assert body["seller_agent_url"] == "https://seller.example/adcp" and body["delivery_auth"] == {"mode": "rfc9421"}
+    assert record.challenge_message_id == challenge.id
+
+
+def test_legacy_auth_is_announced_but_the_challenge_is_still_rfc9421(engine, cfg):
+    secret = "s" * 40
+    register(engine, cfg, config("legacy", authentication={"schemes": ["Bearer"], "credentials": secret}))
+    (challenge,) = rows(engine)
+    assert challenge.auth_mode == "rfc9421" and challenge.auth_secret is None
+    auth = json.loads(challenge.body)["delivery_auth"]
+    assert auth["mode"] == "Bearer" and len(auth["credential_fingerprint"]) == 64
+    assert_valid(challenge.body, "core/webhook-challenge.json")
+    with engine.connect() as conn:
+        (state,) = outbox.list_subscribers(conn, tenant_id="t1")
+    assert state.config_state() == {"subscriber_id": "legacy", "url": "http://127.0.0.1:9/hook",
+                                    "event_types": ["account.status_changed"], "active": True,
+                                    "authentication": {"schemes": ["Bearer"]}}
+    assert secret not in repr(state)
+    assert_valid(json.dumps(state.config_state()).encode(), "core/agent-notification-config-state.json")
+
+
+def test_unchanged_resend_changes_nothing_and_a_change_needs_a_fresh_proof(engine, cfg):
+    first = register(engine, cfg, config("s1"))
+    assert register(engine, cfg, config("s1")) == first
+    assert len(rows(engine)) == 1
+    moved = register(engine, cfg, config("s1", url="http://127.0.0.1:9/other"))
+    assert moved.state == "pending_proof" and moved.challenge_message_id != first.challenge_message_id
+    old, new = rows(engine)
+    assert (old.state, old.dead_reason) == ("dead", "proof_failed")  # the superseded proof is never sent
+    assert new.state == "pending" and new.url.endswith("/other")
+    widened = register(engine, cfg, config("s1", url="http://127.0.0.1:9/other",
+                                           events=("account.status_changed", "creative.purged")))
+    assert widened.challenge_message_id not in (first.challenge_message_id, moved.challenge_message_id)
+
+
+def test_paused_subscribers_are_stored_not_proven_and_never_fired_to(engine, cfg):
+    paused = register(engine, cfg, config("quiet", active=False))
+    assert paused.state == "paused" and not paused.active
+    assert rows(engine) == []
+    with engine.begin() as conn:
+        assert outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, notification_type="account.status_changed",
+                                    payload=STATUS_EVENT, settings=cfg) == []
+    with engine.connect() as conn:
+        assert [s.state for s in outbox.list_subscribers(conn, tenant_id="t1", account_id=ACCOUNT)] == ["paused"]
+
+
+def test_fan_out_matches_event_types_and_shares_one_notification_id(engine, cfg):
+    register(engine, cfg, config("a"))
+    register(engine, cfg, config("b", events=("account.status_changed", "creative.purged")))
+    register(engine, cfg, config("c", events=("creative.purged",)))
+    with engine.begin() as conn:
+        fired = outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT,
+                                     notification_type="account.status_changed", payload=STATUS_EVENT, settings=cfg)
+    assert len(fired) == 2 and len({f.idempotency_key for f in fired}) == 2
+    fires = rows(engine, messages.c.notification_type == "account.status_changed")
+    bodies = [json.loads(f.body) for f in fires]
+    assert [b["subscriber_id"] for b in bodies] == ["a", "b"]
+    assert len({b["notification_id"] for b in bodies}) == 1
+    for fire in fires:
+        assert_valid(fire.body, "core/account-status-changed-webhook.json")
+        assert fire.held and fire.next_attempt_at == HOLD_UNTIL  # their proofs are still pending
+
+
+def test_validation_names_the_field(engine, cfg):
+    cases = [
+        (config("x", events=("scheduled",)), "notification_config.event_types[0]"),
+        (config("x", events=()), "notification_config.event_types"),
+        (config("bad id"), "notification_config.subscriber_id"),
+        ({**config("x"), "token": "t" * 20}, "notification_config.token"),
+        (config("x", url="http://10.0.0.1/hook"), "url"),
+        (config("x", authentication={"schemes": ["Bearer"], "credentials": "short"}),
+         "notification_config.authentication.credentials"),
+        (config("x", active="yes"), "notification_config.active"),
+    ]
+    for entry, field in cases:
+        with pytest.raises(outbox.OutboxValidationError) as error, engine.begin() as conn:
+            outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, notification_config=entry,
+                                       settings=cfg)
+        assert error.value.field == field
+    with pytest.raises(outbox.OutboxValidationError) as error, engine.begin() as conn:
+        outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, notification_type="account.status_changed",
+                             payload={**STATUS_EVENT, "subscriber_id": "x"}, settings=cfg)
+    assert error.value.field == "payload.subscriber_id"
+    assert rows(engine) == []
+
+
+def test_a_challenge_needs_the_seller_agent_url(engine, settings):
+    with pytest.raises(outbox.ConfigurationError, match="OUTBOX_SELLER_AGENT_URL"), engine.begin() as conn:
+        outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, notification_config=config("x"),
+                                   settings=settings)
+
+
+def test_removing_a_subscriber_ends_its_held_fires(engine, cfg):
+    register(engine, cfg, config("gone"))
+    with engine.begin() as conn:
+        outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, notification_type="account.status_changed",
+                             payload=STATUS_EVENT, settings=cfg)
+        assert outbox.remove_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, subscriber_id="gone")
+        assert not outbox.remove_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, subscriber_id="gone")
+    assert {(r.state, r.dead_reason) for r in rows(engine)} == {("dead", "proof_failed")}
+    with engine.connect() as conn:
+        assert conn.execute(select(subscribers)).all() == []
+
+
+async def test_async_flavour_runs_in_the_callers_transaction(sqlite_url, cfg):
+    from outbox.aio import enqueue_event, list_subscribers, register_subscriber
+    from outbox.db import make_async_engine
+
+    engine = make_async_engine(sqlite_url)
+    try:
+        async with engine.connect() as conn:
+            await register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, notification_config=config("a"),
+                                      settings=cfg)
+            fired = await enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT,
+                                        notification_type="account.status_changed", payload=STATUS_EVENT,
+                                        settings=cfg)
+            assert len(fired) == 1
+            await conn.rollback()  # never committed by us: the rollback leaves nothing
+            assert await list_subscribers(conn, tenant_id="t1") == []
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("https://b.example/hooks/adcp?token=abc#f", "https://b.example/hooks/adcp"),
+    ("https://b.example/h/550e8400-e29b-41d4-a716-446655440000/x", "https://b.example/h/redacted/x"),
+    ("https://b.example/h/sk_live_9aZ3kQ7xP2mW8vR4/in", "https://b.example/h/redacted/in"),
+    ("https://b.example/webhooks/buyer-primary/v1", "https://b.example/webhooks/buyer-primary/v1"),
+])
+def test_activity_urls_hide_queries_and_secret_looking_segments(url, shown):
+    assert public_url(url) == shown
