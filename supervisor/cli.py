@@ -20,6 +20,7 @@ from typing import Any
 
 from outbox.config import Settings, load_settings
 from outbox.errors import ConfigurationError
+from supervisor import cli_subscribers
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -119,7 +120,10 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor import ops
 
-    data = _run_async(settings, lambda conn: ops.status(conn, top=args.top))
+    async def work(conn: Any) -> dict[str, Any]:
+        return {**await ops.status(conn, top=args.top), "subscribers": await cli_subscribers.counts_by_state(conn)}
+
+    data = _run_async(settings, work)
     if args.json:
         _print_json(data)
         return 0
@@ -131,6 +135,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
                            or "all closed"))
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
+    print("subscribers " + (", ".join(f"{k} {v}" for k, v in data["subscribers"].items()) or "none"))
     return 0
 
 
@@ -142,9 +147,10 @@ def _filters(args: argparse.Namespace) -> Any:
 
 
 def _print_messages(rows: list[dict[str, Any]]) -> None:
-    _table([(r["id"], r["tenant_id"], r["state"], r["dead_reason"], r["attempts"], r["sequence_number"],
-             r["idempotency_key"], _iso(r["created_at"]), r["url"]) for r in rows],
-           ["ID", "TENANT", "STATE", "REASON", "ATTEMPTS", "SEQ", "IDEMPOTENCY_KEY", "CREATED", "URL"])
+    _table([(r["id"], r["tenant_id"], r["state"] + (" (held)" if r["held"] else ""), r["dead_reason"], r["attempts"],
+             r["sequence_number"], r["subscriber_id"], r["idempotency_key"], _iso(r["created_at"]), r["url"])
+            for r in rows],
+           ["ID", "TENANT", "STATE", "REASON", "ATTEMPTS", "SEQ", "SUBSCRIBER", "IDEMPOTENCY_KEY", "CREATED", "URL"])
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -168,7 +174,8 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         _print_json(data)
         return 0
     for key in ("id", "tenant_id", "state", "dead_reason", "idempotency_key", "sequence_number", "url",
-                "auth_mode", "attempts", "trigger", "last_status", "last_error"):
+                "auth_mode", "attempts", "trigger", "last_status", "last_error", "notification_type", "account_id",
+                "subscriber_id", "principal_id", "held"):
         print(f"{key:17} {data[key] if data[key] is not None else '-'}")
     for key in ("created_at", "first_attempt_at", "next_attempt_at", "retry_until", "finished_at"):
         print(f"{key:17} {_iso(data[key])}")
@@ -207,7 +214,8 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
                 [c["id"] for c in eligible] if args.dry_run else replayed,
                 "refused": [{"id": c["id"], "state": c["state"],
                              "why": "past its retry horizon (use --force)" if c["replayable"] else
-                             f"state is {c['state']} ({c['dead_reason'] or '-'})"} for c in refused],
+                             "its subscriber URL failed its proof" if c["dead_reason"] == "proof_failed" else
+                             f"state is {c['state']}"} for c in refused],
                 "missing": missing}
 
     if args.force:
@@ -286,11 +294,18 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
     from outbox import store
 
+    # Attempt rows back buyers' webhook_activity[]: never purged inside its retention.
+    retention = settings.activity_retention_days * 86400.0
+    older_than = max(args.older_than, retention)
+    if older_than > args.older_than and not args.json:
+        print(f"keeping {settings.activity_retention_days} days of history for webhook_activity "
+              "(OUTBOX_ACTIVITY_RETENTION_DAYS)", file=sys.stderr)
+
     async def work(engine: Any) -> int:
         total = 0
         while True:  # one short transaction per batch: never a long lock on the table
             async with engine.begin() as conn:
-                n = await store.purge_batch(conn, older_than=args.older_than,
+                n = await store.purge_batch(conn, older_than=older_than,
                                             horizon_seconds=settings.retry_horizon_seconds, limit=args.batch)
             total += n
             if n < args.batch:
@@ -388,9 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", action="append", metavar="FILE=KID", help="jwks: a key file (repeatable)")
     p = add("purge", "Delete delivered and dead history older than the retention.", cmd_purge)
     p.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION",
-                   help="retention, e.g. 30d; nothing inside its retry horizon is ever deleted")
+                   help="retention, e.g. 30d; nothing inside its retry horizon or the activity "
+                        "retention (OUTBOX_ACTIVITY_RETENTION_DAYS, >= 30) is ever deleted")
     p.add_argument("--batch", type=int, default=1000, help="rows per transaction (default 1000)")
     json_flag(p)
+    cli_subscribers.register(sub, _run_async, _print_json, _table, _iso, UserError)
     return parser
 
 

@@ -14,7 +14,7 @@ from sqlalchemy import select
 import outbox
 from outbox.activity import public_url
 from outbox.config import with_overrides
-from outbox.schema import messages, subscribers
+from outbox.schema import attempts, db_now, messages, subscribers
 from outbox.subscribers import HOLD_UNTIL
 from tests.adcp_schema import assert_valid
 
@@ -182,3 +182,73 @@ async def test_async_flavour_runs_in_the_callers_transaction(sqlite_url, cfg):
 ])
 def test_activity_urls_hide_queries_and_secret_looking_segments(url, shown):
     assert public_url(url) == shown
+
+
+def test_reactivating_a_proven_config_needs_no_new_proof(engine, cfg):
+    first = register(engine, cfg, config("s1"))
+    with engine.begin() as conn:  # as the daemon's completer records a proof that succeeded
+        conn.execute(subscribers.update().values(state="active", proven_sha256=subscribers.c.config_sha256))
+    assert register(engine, cfg, config("s1", active=False)).state == "paused"
+    back = register(engine, cfg, config("s1"))
+    assert back.state == "active" and back.challenge_message_id == first.challenge_message_id
+
+
+def run_cli(capsys, monkeypatch, url, *args):
+    from supervisor.cli import main
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", url)
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_shows_subscribers_their_proof_and_held_fires(engine, cfg, capsys, monkeypatch):
+    url = engine.url.render_as_string(hide_password=False)
+    register(engine, cfg, config("buyer-primary", url="http://127.0.0.1:9/hook?secret=1",
+                                 authentication={"schemes": ["HMAC-SHA256"], "credentials": "h" * 40}))
+    register(engine, cfg, config("audit", active=False))
+    with engine.begin() as conn:
+        outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, notification_type="account.status_changed",
+                             payload=STATUS_EVENT, settings=cfg)
+    code, out, _ = run_cli(capsys, monkeypatch, url, "subscribers", "list", "--json")
+    listed = json.loads(out)
+    assert code == 0 and [(r["subscriber_id"], r["state"]) for r in listed] == [
+        ("audit", "paused"), ("buyer-primary", "pending_proof")]
+    assert all("?" not in r["url"] and "credentials" not in json.dumps(r) for r in listed)
+    code, out, _ = run_cli(capsys, monkeypatch, url, "subscribers", "show", "buyer-primary", "--tenant", "t1",
+                           "--account", ACCOUNT, "--json")
+    shown = json.loads(out)
+    assert shown["held_fires"] == 1 and shown["fires"] == {"pending": 1} and shown["proof"]["state"] == "pending"
+    assert shown["authentication"] == {"schemes": ["HMAC-SHA256"]} and "h" * 40 not in out
+    assert "SUBSCRIBER" in run_cli(capsys, monkeypatch, url, "subscribers", "list")[1]
+    assert "proof" in run_cli(capsys, monkeypatch, url, "subscribers", "show", "buyer-primary", "--tenant", "t1",
+                              "--account", ACCOUNT)[1]
+    code, _, err = run_cli(capsys, monkeypatch, url, "subscribers", "show", "nobody", "--tenant", "t1",
+                           "--account", ACCOUNT)
+    assert code == 1 and err.count("\n") == 1
+    code, out, _ = run_cli(capsys, monkeypatch, url, "status", "--json")
+    assert json.loads(out)["subscribers"] == {"paused": 1, "pending_proof": 1}
+    code, out, _ = run_cli(capsys, monkeypatch, url, "list")
+    assert "pending (held)" in out and "buyer-primary" in out
+
+
+def test_purge_keeps_attempts_inside_the_activity_retention(engine, cfg, capsys, monkeypatch):
+    url = engine.url.render_as_string(hide_password=False)
+    day = 86400.0
+    with engine.begin() as conn:
+        now = conn.execute(select(db_now())).scalar_one()
+        for n, age_days in enumerate((29, 31)):
+            key = outbox.enqueue(conn, tenant_id="t1", url="http://127.0.0.1:9/r", payload={"n": n},
+                                 notification_type="impairment", settings=cfg).idempotency_key
+            finished = now - age_days * day
+            conn.execute(messages.update().where(messages.c.idempotency_key == key).values(
+                state="delivered", attempts=1, finished_at=finished, retry_until=finished))
+            message_id = conn.execute(select(messages.c.id).where(messages.c.idempotency_key == key)).scalar_one()
+            conn.execute(attempts.insert().values(
+                message_id=message_id, tenant_id="t1", url="http://127.0.0.1:9/r", attempt_number=1,
+                outcome="success", http_status=200, will_retry=False, idempotency_key=key, trigger="scheduled",
+                occurred_at=finished))
+    code, out, err = run_cli(capsys, monkeypatch, url, "purge", "--older-than", "1d", "--json")
+    assert code == 0 and json.loads(out) == {"deleted": 1}  # only the 31-day-old one
+    with engine.connect() as conn:
+        assert conn.execute(select(attempts.c.occurred_at)).scalar_one() == pytest.approx(now - 29 * day)
