@@ -38,3 +38,18 @@ def test_beside_a_sellers_own_alembic_history(pg_engine):
     with pg_engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "sellers_rev_42"
         assert current_revision(conn) == head_revision()
+
+
+def test_0005_keeps_existing_rows_and_admits_proof_failed(tmp_path):
+    """The SQLite rebuild that widens the dead_reason check copies every row across."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    upgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO outbox_messages (tenant_id, url, idempotency_key, body, state, dead_reason)"
+                          " VALUES ('t', 'https://b.example/h', 'whk_0123456789abcdef', x'7b7d', 'dead', 'gone')"))
+    upgrade(engine)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT tenant_id, dead_reason, held FROM outbox_messages")).one() == ("t", "gone", 0)
+        conn.execute(text("UPDATE outbox_messages SET dead_reason = 'proof_failed'"))
+    names = {ix["name"] for ix in inspect(engine).get_indexes("outbox_messages")}
+    assert {"outbox_messages_due_idx", "outbox_messages_held_idx", "outbox_messages_idempotency_key_key"} <= names
