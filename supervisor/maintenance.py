@@ -19,6 +19,7 @@ from outbox import store
 from outbox.schema import breakers, messages
 from outbox.urls import without_query
 from sinks.attempt import DeliveryAttempt
+from supervisor import challenge
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
 
@@ -75,6 +76,7 @@ class Maintenance:
                 if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn)
+                        await challenge.settle(conn, [], expired)  # an expired URL proof has failed
                     if expired:
                         self._metrics.dead_letters.labels(reason="expired").inc(len(expired))
                         self._log.warning("messages.expired", count=len(expired))
