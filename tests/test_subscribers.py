@@ -252,3 +252,25 @@ def test_purge_keeps_attempts_inside_the_activity_retention(engine, cfg, capsys,
     assert code == 0 and json.loads(out) == {"deleted": 1}  # only the 31-day-old one
     with engine.connect() as conn:
         assert conn.execute(select(attempts.c.occurred_at)).scalar_one() == pytest.approx(now - 29 * day)
+
+
+def test_activity_lists_a_queued_fire_as_pending_for_its_principal_only(engine, cfg):
+    with engine.begin() as conn:
+        queued = outbox.enqueue(conn, tenant_id="t1", url="http://127.0.0.1:9/h/550e8400-e29b-41d4-a716-446655440000",
+                                payload={"notification_id": "imp_1"}, notification_type="impairment",
+                                principal_id="p1", media_buy_id="mb_1", settings=cfg)
+        outbox.enqueue_task_webhook(conn, tenant_id="t1", task_id="task_1", task_type="create_media_buy",
+                                    status="completed", principal_id="p1", settings=cfg,
+                                    push_notification_config={"url": "http://127.0.0.1:9/t", "operation_id": "op"})
+    with engine.connect() as conn:
+        (record,) = outbox.webhook_activity(conn, tenant_id="t1", principal_id="p1", settings=cfg)
+        assert outbox.webhook_activity(conn, tenant_id="t1", principal_id="p2", settings=cfg) == []
+        assert outbox.webhook_activity(conn, tenant_id="t2", principal_id="p1", settings=cfg) == []
+        assert outbox.webhook_activity(conn, tenant_id="t1", principal_id="p1", media_buy_id="mb_", settings=cfg) == []
+        with pytest.raises(outbox.OutboxValidationError, match="limit"):
+            outbox.webhook_activity(conn, tenant_id="t1", principal_id="p1", limit=201, settings=cfg)
+    assert_valid(json.dumps(record).encode(), "core/webhook-activity-record.json")
+    assert record["idempotency_key"] == queued.idempotency_key and record["notification_id"] == "imp_1"
+    assert (record["attempt"], record["status"], record["completed_at"], record["http_status_code"]) == (
+        1, "pending", None, None)
+    assert record["url"] == "http://127.0.0.1:9/h/redacted"
