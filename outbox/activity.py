@@ -3,7 +3,7 @@
 AdCP 3.2 lets ``get_media_buys``, ``list_creatives`` and ``list_accounts`` return
 ``webhook_activity[]`` (https://adcontextprotocol.org/schemas/3.2.4/core/webhook-activity-record.json,
 "webhook activity log pattern" in
-https://adcontextprotocol.org/docs/building/by-layer/L3/snapshot-and-log): one record per
+https://adcontextprotocol.org/docs/protocol/snapshot-and-log): one record per
 HTTP attempt of a notification-typed fire, newest first, scoped to the calling principal.
 outboxd records every attempt already, so this is one indexed read of ``outbox_attempts``
 joined with ``outbox_messages`` (plus one record per fire still queued or in flight).

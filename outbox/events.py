@@ -81,13 +81,17 @@ def enqueue_event(
     if fields.pop("notification_type", notification_type) != notification_type:
         raise OutboxValidationError("payload.notification_type", "differs from notification_type")
     connection = _connection(conn)
-    rows = connection.execute(
-        select(subscribers).where(subscribers.c.tenant_id == tenant, subscribers.c.account_id == account,
-                                  subscribers.c.state.in_(("active", "pending_proof")))
-        .order_by(subscribers.c.subscriber_id)).all()
+    query = (select(subscribers).where(subscribers.c.tenant_id == tenant, subscribers.c.account_id == account,
+                                       subscribers.c.state.in_(("active", "pending_proof")))
+             .order_by(subscribers.c.subscriber_id))
+    if connection.dialect.name == "postgresql":
+        # A proof settling concurrently waits for this transaction (and then releases the
+        # fires it holds), or this one reads the subscriber as already active: never a fire
+        # held after its release ran.
+        query = query.with_for_update(read=True)
     fired_at = _timestamp()
-    enqueued = []
-    for row in rows:
+    fires = []
+    for row in connection.execute(query):  # render and unseal all first: a failure writes nothing
         if notification_type not in json.loads(row.event_types):
             continue
         key = _idempotency_key(None)
@@ -99,6 +103,6 @@ def enqueue_event(
                                    "subscriber_ref": row.id, "principal_id": row.principal_id}
         if row.state == "pending_proof":
             columns.update(held=True, next_attempt_at=HOLD_UNTIL)
-        enqueued.append(_store(connection, tenant_id=tenant, registration=registration, key=key, body=body,
-                               settings=settings, columns=columns))
-    return enqueued
+        fires.append((registration, key, body, columns))
+    return [_store(connection, tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
+                   columns=columns) for registration, key, body, columns in fires]

@@ -162,7 +162,8 @@ def _seller_agent_url(settings: Settings) -> str:
 
 
 def _queue_challenge(connection: Connection, *, row_id: int, tenant: str, account: str, subscriber_id: str,
-                     events: list[str], registration: _Registration, owner: str | None, settings: Settings) -> int:
+                     events: list[str], registration: _Registration, owner: str | None, agent_url: str,
+                     settings: Settings) -> int:
     """Insert the ``webhook.challenge`` POST (webhook-challenge.json) for ``outboxd`` to send.
 
     Always RFC 9421-signed, whatever auth the subscriber selected: ``delivery_auth`` only
@@ -173,7 +174,7 @@ def _queue_challenge(connection: Connection, *, row_id: int, tenant: str, accoun
         delivery_auth["credential_fingerprint"] = _fingerprint(registration.credentials) or ""
     body = _render({
         "type": protocol.CHALLENGE_TYPE, "challenge": secrets.token_urlsafe(32), "account_id": account,
-        "subscriber_id": subscriber_id, "seller_agent_url": _seller_agent_url(settings),
+        "subscriber_id": subscriber_id, "seller_agent_url": agent_url,
         "delivery_auth": delivery_auth, "event_types": events,
     })
     proof = _Registration(registration.url, None, None, "rfc9421", None)
@@ -233,13 +234,15 @@ def register_subscriber(
     else:
         state = "pending_proof"
     keep_proof = row is not None and row.state == "pending_proof" == state and row.config_sha256 == digest
-    if row is not None and row.state == "pending_proof" and not keep_proof:
-        _cancel_proof(connection, row, "subscriber changed before its URL proof completed")
+    new_proof = state == "pending_proof" and not keep_proof
+    agent_url = _seller_agent_url(settings) if new_proof else None  # every check before the first write
     secret = None
     if registration.credentials is not None:
         assert settings.encryption_key is not None  # _registration refuses credentials without a key
         secret = seal(settings.encryption_key, registration.credentials.encode(),
                       secret_context(tenant, account, subscriber_id))
+    if row is not None and row.state == "pending_proof" and not keep_proof:
+        _cancel_proof(connection, row, "subscriber changed before its URL proof completed")
     values = {"principal_id": owner, "url": registration.url, "event_types": json.dumps(events),
               "auth_mode": registration.auth_mode, "auth_secret": secret, "active": active, "state": state,
               "config_sha256": digest}
@@ -250,10 +253,10 @@ def register_subscriber(
     else:
         row_id = row.id
         connection.execute(update(subscribers).where(subscribers.c.id == row_id).values(**values, updated_at=db_now()))
-    if state == "pending_proof" and not keep_proof:
+    if agent_url is not None:
         challenge = _queue_challenge(connection, row_id=row_id, tenant=tenant, account=account,
                                      subscriber_id=subscriber_id, events=events, registration=registration,
-                                     owner=owner, settings=settings)
+                                     owner=owner, agent_url=agent_url, settings=settings)
         connection.execute(update(subscribers).where(subscribers.c.id == row_id)
                            .values(challenge_message_id=challenge))
     return _record(connection.execute(select(subscribers).where(subscribers.c.id == row_id)).one())

@@ -175,8 +175,8 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     for key in ("id", "tenant_id", "state", "dead_reason", "idempotency_key", "sequence_number", "url",
                 "auth_mode", "attempts", "trigger", "last_status", "last_error", "notification_type", "account_id",
-                "subscriber_id", "principal_id", "held"):
-        print(f"{key:17} {data[key] if data[key] is not None else '-'}")
+                "subscriber_id", "subscriber_state", "principal_id", "held"):
+        print(f"{key:17} {data.get(key) if data.get(key) is not None else '-'}")
     for key in ("created_at", "first_attempt_at", "next_attempt_at", "retry_until", "finished_at"):
         print(f"{key:17} {_iso(data[key])}")
     print()

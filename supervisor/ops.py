@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
 from outbox.producer import decode_body
-from outbox.schema import attempts, breakers, messages
+from outbox.schema import attempts, breakers, messages, subscribers
 
 MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "auth_secret", "lease_token")]
 
@@ -101,6 +101,9 @@ async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
     history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
                                  .order_by(attempts.c.attempt_number, attempts.c.id))
     data["attempts"] = [dict(a._mapping) for a in history]
+    if row.subscriber_ref is not None:  # an account-level fire or URL proof: its subscriber's state
+        data["subscriber_state"] = (await conn.execute(select(subscribers.c.state).where(
+            subscribers.c.id == row.subscriber_ref))).scalar() or "removed"
     return data
 
 

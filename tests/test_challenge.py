@@ -74,3 +74,38 @@ async def test_a_proof_that_expires_fails_its_subscriber_and_held_fires(engine, 
         assert conn.execute(select(subscribers.c.state)).scalar_one() == "proof_failed"
         held = conn.execute(select(messages).where(messages.c.id == fire.id)).one()
     assert (held.state, held.dead_reason, held.held) == ("dead", "proof_failed", False)
+
+
+def test_a_fire_enqueued_while_its_proof_settles_is_never_left_held(pg_engine, pg_url, settings):
+    """enqueue_event holds the subscriber row (FOR SHARE): a concurrent settle waits for it."""
+    import asyncio
+    import threading
+
+    cfg = with_overrides(settings, seller_agent_url="https://seller.example/adcp")
+    entry = {"subscriber_id": "s1", "url": "http://127.0.0.1:9/h", "event_types": ["creative.purged"]}
+    with pg_engine.begin() as conn:
+        record = outbox.register_subscriber(conn, tenant_id="t1", account_id="a1", notification_config=entry,
+                                            settings=cfg)
+
+    async def settle_proof() -> None:
+        engine = make_async_engine(pg_url)
+        try:
+            async with engine.begin() as conn:
+                await challenge.settle(conn, [record.challenge_message_id], [])
+        finally:
+            await engine.dispose()
+
+    with pg_engine.connect() as seller:
+        seller.begin()
+        (fire,) = outbox.enqueue_event(seller, tenant_id="t1", account_id="a1", notification_type="creative.purged",
+                                       payload={"creative_id": "c1"}, settings=cfg)
+        daemon = threading.Thread(target=lambda: asyncio.run(settle_proof()))
+        daemon.start()
+        daemon.join(1.0)
+        assert daemon.is_alive(), "the settle must wait for the seller's transaction"
+        seller.commit()
+    daemon.join(10)
+    with pg_engine.connect() as conn:
+        held = conn.execute(select(messages.c.held, messages.c.next_attempt_at).where(messages.c.id == fire.id)).one()
+        assert conn.execute(select(subscribers.c.state)).scalar_one() == "active"
+    assert not held.held and held.next_attempt_at < 1e12

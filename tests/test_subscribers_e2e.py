@@ -124,6 +124,12 @@ def test_subscribers_proofs_fires_and_activity(db, request, tmp_path, verifying_
     for a in seen:
         if a["type"] == "webhook.challenge":
             assert_valid(a["body"].encode(), "core/webhook-challenge.json")
+    reports = [a for a in seen if json.loads(a["body"]).get("task_type") == "media_buy_delivery"]
+    assert len(reports) == 6  # 503-503-503-200 for mb_1, one each for mb_2 and buyer-2's report
+    for a in reports:
+        assert_valid(a["body"].encode())  # mcp-webhook-payload.json
+        assert_valid(json.dumps(json.loads(a["body"])["result"]).encode(),
+                     "media-buy/media-buy-delivery-webhook-result.json")
     fires = [a for a in seen if a["type"] == "account.status_changed"]
     for a in fires:
         assert_valid(a["body"].encode(), "core/account-status-changed-webhook.json")
