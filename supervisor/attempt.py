@@ -122,6 +122,7 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, se
     if challenge.is_challenge(message.notification_type):
         verdict = challenge.judge(verdict, attempt=message.attempt, challenge_body=message.body,
                                   response_body=result.body, max_attempts=settings.proof_max_attempts)
+    # The verdict's words for an answer (and for a proof that failed), else the transport's.
     error = verdict.detail if result.status is not None or verdict.reason == "proof_failed" else result.error
     error = None if verdict.action == "delivered" else error
     return Outcome(

@@ -47,7 +47,8 @@ def _truncate(engine: Engine) -> None:
                 "RESTART IDENTITY"
             )
         else:
-            for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_subscribers"):
+            for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
+                          "outbox_subscribers"):
                 conn.exec_driver_sql(f"DELETE FROM {table}")
 
 

@@ -91,8 +91,9 @@ def test_paused_subscribers_are_stored_not_proven_and_never_fired_to(engine, cfg
     assert paused.state == "paused" and not paused.active
     assert rows(engine) == []
     with engine.begin() as conn:
-        assert outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, notification_type="account.status_changed",
-                                    payload=STATUS_EVENT, settings=cfg) == []
+        assert outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT,
+                                    notification_type="account.status_changed", payload=STATUS_EVENT,
+                                    settings=cfg) == []
     with engine.connect() as conn:
         assert [s.state for s in outbox.list_subscribers(conn, tenant_id="t1", account_id=ACCOUNT)] == ["paused"]
 

@@ -45,8 +45,9 @@ def register(engine, sid: str, url: str, **extra) -> outbox.Subscriber:
 
 def fire(engine, n: int) -> list[outbox.EnqueuedMessage]:
     with engine.begin() as conn:
-        return outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, notification_type="account.status_changed",
-                                    payload=status_event(n), settings=SETTINGS)
+        return outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT,
+                                    notification_type="account.status_changed", payload=status_event(n),
+                                    settings=SETTINGS)
 
 
 def subscriber_states(engine) -> dict[str, str]:
