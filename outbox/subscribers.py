@@ -43,7 +43,7 @@ from outbox.producer import (
 from outbox.schema import db_now, messages, subscribers
 from outbox.sealing import seal
 
-HOLD_UNTIL = 1e15  # epoch seconds, ~31 million years out: "not due until released"
+HOLD_UNTIL = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the latest time tools can print: "until released"
 _SCHEME_OF_MODE = {"hmac": "HMAC-SHA256", "bearer": "Bearer"}
 
 

@@ -8,24 +8,24 @@ and its fires by state, so "why does this buyer get nothing?" has a one-command 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import protocol
+from outbox.config import Settings
 from outbox.schema import attempts, messages, subscribers
 from outbox.subscribers import Subscriber, _record
 from outbox.urls import without_query
-
-Printer = Callable[..., None]
+from supervisor.cli_common import Subcommands, UserError, positive_int, print_json, run_async, table
+from supervisor.ops import rfc3339
 
 
 def _public(record: Subscriber, row: Any) -> dict[str, Any]:
     data = {"tenant_id": record.tenant_id, "account_id": record.account_id, "principal_id": record.principal_id,
-            **record.config_state(), "state": record.state, "created_at": row.created_at,
-            "updated_at": row.updated_at, "proven_at": record.proven_at,
+            **record.config_state(), "state": record.state, "created_at": rfc3339(row.created_at),
+            "updated_at": rfc3339(row.updated_at), "proven_at": rfc3339(record.proven_at),
             "challenge_message_id": record.challenge_message_id}
     data["url"] = without_query(data["url"])  # query strings may carry buyer secrets
     return data
@@ -72,55 +72,50 @@ async def show_row(conn: AsyncConnection, tenant: str, account: str, subscriber_
                                    .where(attempts.c.message_id == row.challenge_message_id)
                                    .order_by(attempts.c.attempt_number, attempts.c.id))
         proof = {**(dict(message._mapping) if message else {"id": row.challenge_message_id, "state": "purged"}),
-                 "attempts_log": [dict(a._mapping) for a in tries]}
+                 "attempts_log": [{**a._mapping, "occurred_at": rfc3339(a.occurred_at)} for a in tries]}
     data["proof"] = proof
     return data
 
 
-def register(sub: Any, run_async: Callable[..., Any], print_json: Printer, table: Printer,
-             iso: Callable[[float | None], str], user_error: type[Exception]) -> None:
-    """Add ``subscribers`` to the ``outboxd`` parser (the hook cli.py calls)."""
-
-    def handler(args: argparse.Namespace, settings: Any) -> int:
-        if args.action == "list":
-            rows = run_async(settings, lambda conn: list_rows(conn, tenant=args.tenant, account=args.account,
-                                                              state=args.state, limit=args.limit))
-            if args.json:
-                print_json(rows)
-            else:
-                table([(r["tenant_id"], r["account_id"], r["subscriber_id"], r["state"], ",".join(r["event_types"]),
-                        iso(r["proven_at"]), r["url"]) for r in rows],
-                      ["TENANT", "ACCOUNT", "SUBSCRIBER", "STATE", "EVENTS", "PROVEN", "URL"])
-            return 0
-        if not (args.tenant and args.account and args.subscriber):
-            raise user_error("show needs --tenant, --account and SUBSCRIBER_ID")
-        data = run_async(settings, lambda conn: show_row(conn, args.tenant, args.account, args.subscriber))
-        if data is None:
-            raise user_error(f"no subscriber {args.subscriber!r} on {args.tenant}/{args.account}")
+def cmd_subscribers(args: argparse.Namespace, settings: Settings) -> int:
+    if args.action == "list":
+        rows = run_async(settings, lambda conn: list_rows(conn, tenant=args.tenant, account=args.account,
+                                                          state=args.state, limit=args.limit))
         if args.json:
-            print_json(data)
-            return 0
-        for key in ("tenant_id", "account_id", "subscriber_id", "principal_id", "state", "active", "url"):
-            print(f"{key:14} {data[key] if data[key] is not None else '-'}")
-        print(f"{'event_types':14} {', '.join(data['event_types'])}")
-        print(f"{'auth':14} {(data.get('authentication') or {'schemes': ['rfc9421']})['schemes'][0]}")
-        print(f"{'proven_at':14} {iso(data['proven_at'])}")
-        print(f"{'fires':14} {', '.join(f'{k} {v}' for k, v in data['fires'].items()) or 'none'}"
-              f" (held {data['held_fires']})")
-        proof = data["proof"]
-        if proof:
-            print(f"{'proof':14} message {proof['id']} {proof['state']} {proof.get('dead_reason') or ''}".rstrip())
-            table([(a["attempt_number"], iso(a["occurred_at"]), a["outcome"], a["http_status"], a["error"])
-                   for a in proof["attempts_log"]], ["ATTEMPT", "AT", "OUTCOME", "HTTP", "ERROR"])
+            print_json(rows)
+        else:
+            table([(r["tenant_id"], r["account_id"], r["subscriber_id"], r["state"], ",".join(r["event_types"]),
+                    r["proven_at"] or "-", r["url"]) for r in rows],
+                  ["TENANT", "ACCOUNT", "SUBSCRIBER", "STATE", "EVENTS", "PROVEN", "URL"])
         return 0
+    if not (args.tenant and args.account and args.subscriber):
+        raise UserError("show needs --tenant, --account and SUBSCRIBER_ID")
+    data = run_async(settings, lambda conn: show_row(conn, args.tenant, args.account, args.subscriber))
+    if data is None:
+        raise UserError(f"no subscriber {args.subscriber!r} on {args.tenant}/{args.account}")
+    if args.json:
+        print_json(data)
+        return 0
+    for key in ("tenant_id", "account_id", "subscriber_id", "principal_id", "state", "active", "url", "proven_at"):
+        print(f"{key:14} {data[key] if data[key] is not None else '-'}")
+    print(f"{'event_types':14} {', '.join(data['event_types'])}")
+    print(f"{'auth':14} {(data.get('authentication') or {'schemes': ['rfc9421']})['schemes'][0]}")
+    print(f"{'fires':14} {', '.join(f'{k} {v}' for k, v in data['fires'].items()) or 'none'}"
+          f" (held {data['held_fires']})")
+    proof = data["proof"]
+    if proof:
+        print(f"{'proof':14} message {proof['id']} {proof['state']} {proof.get('dead_reason') or ''}".rstrip())
+        table([(a["attempt_number"], a["occurred_at"], a["outcome"], a["http_status"], a["error"])
+               for a in proof["attempts_log"]], ["ATTEMPT", "AT", "OUTCOME", "HTTP", "ERROR"])
+    return 0
 
-    p = sub.add_parser("subscribers", help="List account-level subscribers, or show one with its URL proof.",
-                       description="List account-level subscribers, or show one with its URL proof.")
-    p.set_defaults(handler=handler)
+
+def register(add: Subcommands) -> None:
+    p = add("subscribers", "List account-level subscribers, or show one with its URL proof.", cmd_subscribers)
     p.add_argument("action", choices=["list", "show"])
     p.add_argument("subscriber", nargs="?", metavar="SUBSCRIBER_ID", help="show: the subscriber_id")
     p.add_argument("--tenant", help="tenant id")
     p.add_argument("--account", help="account id")
     p.add_argument("--state", choices=["pending_proof", "active", "paused", "proof_failed"], help="list: by state")
-    p.add_argument("--limit", type=int, default=100, help="list: at most this many (default 100)")
+    p.add_argument("--limit", type=positive_int, default=100, help="list: at most this many (default 100)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -65,7 +65,7 @@ async def test_a_proof_that_expires_fails_its_subscriber_and_held_fires(engine, 
     async_engine = make_async_engine(engine.url)
     try:
         async with async_engine.begin() as conn:  # what the daemon's maintenance does
-            expired = await store.expire_past_horizon(conn)
+            expired = [r.id for r in await store.expire_past_horizon(conn)]
             await challenge.settle(conn, [], expired)
     finally:
         await async_engine.dispose()

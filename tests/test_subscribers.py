@@ -229,7 +229,8 @@ def test_cli_shows_subscribers_their_proof_and_held_fires(engine, cfg, capsys, m
     assert code == 1 and err.count("\n") == 1
     code, out, _ = run_cli(capsys, monkeypatch, url, "status", "--json")
     assert json.loads(out)["subscribers"] == {"paused": 1, "pending_proof": 1}
-    code, out, _ = run_cli(capsys, monkeypatch, url, "list")
+    code, out, err = run_cli(capsys, monkeypatch, url, "list")
+    assert code == 0, err
     assert "pending (held)" in out and "buyer-primary" in out
     code, out, _ = run_cli(capsys, monkeypatch, url, "show", str(shown["challenge_message_id"]), "--json")
     assert json.loads(out)["subscriber_state"] == "pending_proof"

@@ -1,7 +1,7 @@
 """Account-level notification subscribers, fire attribution, and the proof_failed dead reason.
 
 Revision ID: 0005_subscribers
-Revises: 0001
+Revises: 0006_reader_revision
 
 Additive only (a daemon one release behind keeps working): one new table, nullable
 columns, a ``held`` flag that defaults to false, and a wider ``dead_reason`` check.
@@ -14,10 +14,11 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from outbox.migrate import record_min_reader
 from outbox.schema import PG_NOW, SQLITE_NOW
 
 revision = "0005_subscribers"
-down_revision = "0001"
+down_revision = "0006_reader_revision"
 branch_labels = None
 depends_on = None
 
@@ -76,9 +77,13 @@ def upgrade() -> None:
     # webhook_activity(): a principal's notification fires, newest first (then their attempts).
     op.create_index("outbox_messages_activity_idx", "outbox_messages", ["tenant_id", "principal_id", "created_at"],
                     postgresql_where=notification, sqlite_where=notification)
+    # Additive: the previous release keeps delivering (it leaves held fires alone; see
+    # docs/subscribers.md, "Known limits", for the challenges it cannot judge).
+    record_min_reader(revision, down_revision)
 
 
 def downgrade() -> None:
+    op.execute(sa.text("DELETE FROM outbox_schema_compat WHERE revision = :r").bindparams(r=revision))
     op.drop_index("outbox_messages_activity_idx", "outbox_messages")
     op.drop_index("outbox_messages_held_idx", "outbox_messages")
     with op.batch_alter_table("outbox_messages") as batch:
