@@ -224,6 +224,12 @@ def _tenant(tenant_id: Any) -> str:
     return _check_string(tenant_id, "tenant_id")
 
 
+def _attribution(**columns: str | None) -> dict[str, str]:
+    """The attribution columns that are set: a producer on a schema one migration behind
+    (a rolling upgrade) writes none of the columns it does not use."""
+    return {name: value for name, value in columns.items() if value is not None}
+
+
 def _event_id(body: Mapping[str, Any]) -> str | None:
     """The payload's ``notification_id`` when it is a valid one, kept for the activity log."""
     value = body.get("notification_id")
@@ -301,7 +307,7 @@ def enqueue_task_webhook(
     return _store(
         _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
         columns={"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon,
-                 "notification_id": notification_id, "principal_id": principal(principal_id)},
+                 **_attribution(principal_id=principal(principal_id))},
     )
 
 
@@ -367,7 +373,7 @@ def enqueue_delivery_report(
         columns={"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE,
                  "task_status": "completed", "notification_type": notification_type,
                  "sequence_key": stream, "sequence_number": sequence_number, "horizon_seconds": horizon,
-                 "media_buy_id": media_buy_id, "principal_id": owner},
+                 **_attribution(media_buy_id=media_buy_id, principal_id=owner)},
     )
 
 
@@ -418,9 +424,9 @@ def enqueue(
     return _store(
         _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
         columns={"notification_type": _optional_string(notification_type, "notification_type"),
-                 "horizon_seconds": _horizon(horizon_seconds), "principal_id": principal(principal_id),
-                 "media_buy_id": _optional_string(media_buy_id, "media_buy_id"),
-                 "notification_id": _event_id(event)},
+                 "horizon_seconds": _horizon(horizon_seconds),
+                 **_attribution(principal_id=principal(principal_id), notification_id=_event_id(event),
+                                media_buy_id=_optional_string(media_buy_id, "media_buy_id"))},
     )
 
 
