@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import difflib
 import ipaddress
+import math
 import os
 import tomllib
 import warnings
@@ -31,6 +32,66 @@ MAX_HORIZON = 604_800
 MIN_ACTIVITY_RETENTION_DAYS = 30  # webhook-activity-record: retained >= 30 days after completed_at
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+MAX_SECONDS = 31_536_000.0  # a year: beyond it a timeout no longer fits the OS's timeval
+MAX_COUNT = 1_000_000
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The legal range of one numeric setting; NaN and infinities are never legal.
+
+    ``low_open`` makes the lower bound exclusive (a timeout must be > 0, a grace may be 0).
+    """
+
+    low: float
+    high: float
+    low_open: bool = False
+    why: str = ""
+
+    def check(self, name: str, value: object) -> None:
+        """Raise a one-line :class:`ConfigurationError` naming the variable when out of range."""
+        var = ENV_PREFIX + name.upper()
+        integral = isinstance(self.low, int) and isinstance(self.high, int)
+        kind = (int,) if integral else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigurationError(f"{var} must be {'an integer' if integral else 'a number'}, got {value!r}")
+        above = value > self.low if self.low_open else value >= self.low
+        if not (math.isfinite(value) and above and value <= self.high):
+            low = f"> {self.low:.15g}" if self.low_open else f">= {self.low:.15g}"
+            raise ConfigurationError(f"{var} must be {low} and <= {self.high:.15g}{self.why}, got {value!r}")
+
+
+def _seconds(*, zero: bool = False) -> Bounds:
+    return Bounds(0.0, MAX_SECONDS, low_open=not zero)
+
+
+# Every int and float field of Settings has an entry (tests/test_config_validation.py
+# checks it): add one next to a new numeric setting.
+NUMERIC_BOUNDS: dict[str, Bounds] = {
+    "retry_horizon_seconds": Bounds(MIN_HORIZON, MAX_HORIZON, why=" (AdCP delivery_retry_horizon_seconds)"),
+    "concurrency": Bounds(1, MAX_COUNT),
+    "endpoint_concurrency": Bounds(1, MAX_COUNT),
+    "claim_batch": Bounds(1, MAX_COUNT),
+    "connect_timeout_seconds": _seconds(),
+    "read_timeout_seconds": _seconds(),
+    "lease_seconds": _seconds(),
+    "poll_interval_seconds": _seconds(),
+    "shutdown_grace_seconds": _seconds(zero=True),
+    "database_outage_seconds": _seconds(),
+    "retry_base_seconds": _seconds(),
+    "retry_max_seconds": _seconds(),
+    "retry_after_cap_seconds": _seconds(zero=True),
+    "breaker_failure_threshold": Bounds(1, MAX_COUNT),
+    "breaker_success_threshold": Bounds(1, MAX_COUNT),
+    "breaker_open_seconds": _seconds(),
+    "breaker_max_open_seconds": _seconds(),
+    "sink_timeout_seconds": _seconds(),
+    "proof_max_attempts": Bounds(1, MAX_COUNT),
+    # At least the 30 days AdCP requires of webhook_activity[] history (docs/subscribers.md).
+    "activity_retention_days": Bounds(MIN_ACTIVITY_RETENTION_DAYS, 36_500, why=" (AdCP webhook_activity retention)"),
+}
 
 
 @dataclass(frozen=True)
@@ -77,24 +138,17 @@ class Settings:
     activity_retention_days: int = MIN_ACTIVITY_RETENTION_DAYS
 
     def __post_init__(self) -> None:
-        if not MIN_HORIZON <= self.retry_horizon_seconds <= MAX_HORIZON:
-            raise ConfigurationError(
-                f"OUTBOX_RETRY_HORIZON_SECONDS must be within {MIN_HORIZON}..{MAX_HORIZON} "
-                f"(AdCP delivery_retry_horizon_seconds), got {self.retry_horizon_seconds}"
-            )
+        for name, bounds in NUMERIC_BOUNDS.items():
+            bounds.check(name, getattr(self, name))
         if self.lease_seconds <= self.connect_timeout_seconds + self.read_timeout_seconds:
             raise ConfigurationError(
-                "OUTBOX_LEASE_SECONDS must exceed connect + read timeout, or a slow request "
-                "could outlive its lease and be sent twice at once"
+                f"OUTBOX_LEASE_SECONDS ({self.lease_seconds:g}) must exceed OUTBOX_CONNECT_TIMEOUT_SECONDS + "
+                f"OUTBOX_READ_TIMEOUT_SECONDS ({self.connect_timeout_seconds + self.read_timeout_seconds:g}), "
+                "or a slow request could outlive its lease and be sent twice at once"
             )
-        if self.activity_retention_days < MIN_ACTIVITY_RETENTION_DAYS:
-            raise ConfigurationError(
-                f"OUTBOX_ACTIVITY_RETENTION_DAYS must be at least {MIN_ACTIVITY_RETENTION_DAYS} "
-                f"(AdCP webhook_activity retention), got {self.activity_retention_days}"
-            )
-        for name in ("concurrency", "endpoint_concurrency", "claim_batch", "proof_max_attempts"):
-            if getattr(self, name) < 1:
-                raise ConfigurationError(f"OUTBOX_{name.upper()} must be at least 1")
+        for low, high in (("retry_base_seconds", "retry_max_seconds"), ("breaker_open_seconds", "breaker_max_open_seconds")):
+            if getattr(self, high) < getattr(self, low):
+                raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
 
@@ -171,6 +225,8 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         if annotation.startswith("bool"):
             return _parse_bool(name, raw)
         if annotation.startswith("int"):
+            if isinstance(raw, (bool, float)):  # TOML: 2.5 or true for a count
+                raise ValueError(raw)
             return int(raw)
         if annotation.startswith("float"):
             return float(raw)

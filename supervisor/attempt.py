@@ -7,6 +7,7 @@ the attempt and the message's new state are written together in one transaction.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 from outbox import protocol
@@ -18,7 +19,7 @@ from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor import challenge
 from supervisor.classify import Verdict, classify_response, classify_transport_error
-from supervisor.signing import CONTENT_TYPE, KeyResolver, bearer_headers, hmac_headers, signature_headers
+from supervisor.signing import CONTENT_TYPE, Clock, KeyResolver, bearer_headers, hmac_headers, signature_headers
 from supervisor.transport import HttpSender
 
 
@@ -77,7 +78,8 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
     return None, url
 
 
-def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver) -> dict[str, str]:
+def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver,
+                 clock: Clock = time.time) -> dict[str, str]:
     """Transport metadata for this attempt: the only thing that changes between attempts.
 
     RFC 9421 unless the buyer registered legacy ``authentication`` — never both (docs/protocol.md "Legacy credentials").
@@ -89,25 +91,29 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolv
             key = keys.resolve(message.tenant_id)
         except ConfigurationError as exc:
             raise PreparationError(str(exc)) from None
-        return signature_headers(key, url=url, body=message.body)
+        return signature_headers(key, url=url, body=message.body, clock=clock)
     if settings.encryption_key is None:
         raise PreparationError("legacy credentials stored but OUTBOX_ENCRYPTION_KEY is not set")
     assert message.auth_secret is not None
     secret = unseal(settings.encryption_key, message.auth_secret, message.idempotency_key.encode())
     if message.auth_mode == "hmac":
-        return {"Content-Type": CONTENT_TYPE, **hmac_headers(secret, message.body)}
+        return {"Content-Type": CONTENT_TYPE, **hmac_headers(secret, message.body, clock=clock)}
     return {"Content-Type": CONTENT_TYPE, **bearer_headers(secret.decode())}
 
 
-async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender) -> Outcome:
-    """Make one attempt; never raises for anything the message or the receiver does."""
+async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender,
+                  clock: Clock = time.time) -> Outcome:
+    """Make one attempt; never raises for anything the message or the receiver does.
+
+    ``clock`` stamps the signature; the daemon passes its database-corrected one.
+    """
     if message.claimed_at >= message.retry_until:
         return Outcome.dead(message, "expired", "retry horizon passed")
     problem, url = integrity_problem(message, settings)
     if problem is not None:
         return Outcome.dead(message, "invalid", problem)
     try:
-        headers = auth_headers(message, url, settings, keys)
+        headers = auth_headers(message, url, settings, keys, clock)
     except SealError as exc:
         return Outcome.dead(message, "invalid", str(exc))
     except PreparationError as exc:
@@ -128,5 +134,5 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, se
     return Outcome(
         message, verdict.action, verdict.outcome, reason=verdict.reason, http_status=result.status,
         error=error[:200] if error else None, response_time_ms=result.elapsed_ms,
-        retry_after=verdict.retry_after, sent=result.error_kind != "blocked",
+        retry_after=verdict.retry_after, sent=result.sent,
     )

@@ -321,6 +321,9 @@ _TRANSPORT_VERDICTS: dict[str, Verdict] = {
     # docs/protocol.md "Destinations (SSRF)": the destination resolved to a blocked address (or is not allowed at all).
     # Nothing was sent; retrying cannot help. No address is echoed (docs/protocol.md "Destinations (SSRF)").
     "blocked": Verdict("dead", "blocked", "connection_error", None, "destination blocked"),
+    # The request httpx would send does not carry the signed @target-uri: the buyer would
+    # answer webhook_signature_invalid. Nothing was sent; the stored URL itself is at fault.
+    "invalid": Verdict("dead", "invalid", "failed", None, "request target differs from the signed URL"),
 }
 
 
@@ -329,7 +332,8 @@ def classify_transport_error(error_kind: str) -> Verdict:
 
     ``"timeout"`` → retry (activity status ``timeout``); ``"connection_error"`` and
     ``"protocol_error"`` → retry (``connection_error``); ``"blocked"`` (SSRF policy refused
-    the destination, docs/protocol.md "Destinations (SSRF)") → dead ``blocked``. An unknown kind is retried as a
+    the destination, docs/protocol.md "Destinations (SSRF)") → dead ``blocked``; ``"invalid"``
+    (the request target would not be the signed one) → dead ``invalid``. An unknown kind is retried as a
     ``connection_error``: at-least-once delivery prefers a resend to a silent drop.
     """
     verdict = _TRANSPORT_VERDICTS.get(error_kind)

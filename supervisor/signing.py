@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
@@ -63,6 +64,7 @@ _COVERED = "(" + " ".join(f'"{c}"' for c in COMPONENTS) + ")"
 _JWK_ALG = {ALG_ED25519: "EdDSA", ALG_ES256: "ES256"}  # docs/protocol.md "Signing"
 
 PrivateKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey
+Clock = Callable[[], float]  # Unix time now; the daemon's is corrected to the database's
 
 
 def _b64url(data: bytes) -> str:
@@ -250,6 +252,7 @@ def signature_headers(
     nonce: str | None = None,
     expires_in: int = MAX_VALIDITY_SECONDS,
     method: str = "POST",
+    clock: Clock = time.time,
 ) -> dict[str, str]:
     """The four headers of an AdCP RFC 9421 webhook signature (docs/protocol.md "Signing"), fresh per attempt.
 
@@ -258,11 +261,13 @@ def signature_headers(
     ``content_digest(body)``. Raises ``ValueError`` for a validity outside 1..300 s or a
     URL that is not ASCII (an RFC 9421 signature base is ASCII; a client would
     percent-encode such a URL on the wire and the signature would not verify).
+    ``clock`` gives ``created`` when it is not passed: the daemon passes its
+    database-corrected clock (``supervisor.clock``).
     """
     if not 1 <= expires_in <= MAX_VALIDITY_SECONDS:
         raise ValueError(f"expires_in must be 1..{MAX_VALIDITY_SECONDS} seconds ('Signing' in docs/protocol.md), got {expires_in}")
     if created is None:
-        created = int(time.time())
+        created = int(clock())
     if nonce is None:
         nonce = _b64url(secrets.token_bytes(NONCE_BYTES))
     if digest is None:
@@ -281,13 +286,13 @@ def signature_headers(
     }
 
 
-def hmac_headers(secret: bytes, body: bytes, timestamp: int | None = None) -> dict[str, str]:
+def hmac_headers(secret: bytes, body: bytes, timestamp: int | None = None, clock: Clock = time.time) -> dict[str, str]:
     """Legacy HMAC-SHA256 headers (docs/protocol.md "Legacy credentials"): ``sha256=<hex>`` over ``b"<ts>." + body``.
 
     Only for registrations that carry ``authentication`` (docs/protocol.md "Legacy credentials"); a fresh timestamp per
     attempt keeps retries inside the receiver's 300 s replay window.
     """
-    ts = str(int(time.time()) if timestamp is None else timestamp)
+    ts = str(int(clock()) if timestamp is None else timestamp)
     mac = hmac.new(secret, ts.encode("ascii") + b"." + body, hashlib.sha256).hexdigest()
     return {"X-ADCP-Signature": f"sha256={mac}", "X-ADCP-Timestamp": ts}
 
