@@ -87,6 +87,8 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "breaker_success_threshold": Bounds(1, MAX_COUNT),
     "breaker_open_seconds": _seconds(),
     "breaker_max_open_seconds": _seconds(),
+    "breaker_failure_ratio": Bounds(0.0, 1.0, low_open=True),
+    "breaker_window_seconds": _seconds(),
     "sink_timeout_seconds": _seconds(),
     "proof_max_attempts": Bounds(1, MAX_COUNT),
     # At least the 30 days AdCP requires of webhook_activity[] history (docs/subscribers.md).
@@ -120,10 +122,14 @@ class Settings:
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 3600.0
     retry_after_cap_seconds: float = 3600.0
-    breaker_failure_threshold: int = 5
+    # Circuit breakers (supervisor/breaker.py): open when, over the last window, at least
+    # the threshold of attempts failed and they are at least the ratio of all attempts.
+    breaker_failure_threshold: int = 10
+    breaker_failure_ratio: float = 0.7
+    breaker_window_seconds: float = 30.0
     breaker_success_threshold: int = 2
-    breaker_open_seconds: float = 60.0
-    breaker_max_open_seconds: float = 3600.0
+    breaker_open_seconds: float = 30.0
+    breaker_max_open_seconds: float = 300.0
     sinks: tuple[str, ...] = ()
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False

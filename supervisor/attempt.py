@@ -28,14 +28,15 @@ class Outcome:
     """What happened to one leased message, ready to be recorded."""
 
     message: Claimed
-    action: str  # delivered | retry | dead | skip (circuit open) | release (over the endpoint's limit)
-    outcome: str  # attempt outcome: success | failed | timeout | connection_error | circuit_open | abandoned
+    # delivered | retry | dead, or, with no request made and no attempt row: expire (past
+    # its horizon when claimed) | release (the half-open probe went to another daemon)
+    action: str
+    outcome: str  # attempt outcome: success | failed | timeout | connection_error | abandoned
     reason: str | None = None  # dead reason
     http_status: int | None = None
     error: str | None = None
     response_time_ms: int | None = None
     retry_after: float | None = None
-    defer_seconds: float | None = None  # skip: when to look again
     sent: bool = False  # a request was made: counts for the circuit breaker
 
     @classmethod
@@ -107,8 +108,8 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, se
 
     ``clock`` stamps the signature; the daemon passes its database-corrected one.
     """
-    if message.claimed_at >= message.retry_until:
-        return Outcome.dead(message, "expired", "retry horizon passed")
+    if message.claimed_at >= message.retry_until:  # never send past enqueue + horizon
+        return Outcome(message, "expire", "expired", reason="expired", error="retry horizon passed")
     problem, url = integrity_problem(message, settings)
     if problem is not None:
         return Outcome.dead(message, "invalid", problem)

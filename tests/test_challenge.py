@@ -61,11 +61,12 @@ async def test_a_proof_that_expires_fails_its_subscriber_and_held_fires(engine, 
                                             settings=cfg)
         (fire,) = outbox.enqueue_event(conn, tenant_id="t1", account_id="a1", notification_type="creative.purged",
                                        payload={"creative_id": "c1"}, settings=cfg)
-        conn.execute(messages.update().where(messages.c.id == record.challenge_message_id).values(retry_until=1.0))
+        conn.execute(messages.update().where(messages.c.id == record.challenge_message_id)
+                     .values(created_at=1.0, retry_until=2.0))  # enqueued long before its horizon
     async_engine = make_async_engine(engine.url)
     try:
         async with async_engine.begin() as conn:  # what the daemon's maintenance does
-            expired = [r.id for r in await store.expire_past_horizon(conn)]
+            expired = [r.id for r in await store.expire_past_horizon(conn, horizon_seconds=86_400)]
             await challenge.settle(conn, [], expired)
     finally:
         await async_engine.dispose()

@@ -49,7 +49,7 @@ def test_every_numeric_setting_has_bounds() -> None:
         ("retry_horizon_seconds", "86399"),
         ("retry_horizon_seconds", "604801"),
         ("retry_max_seconds", "1"),  # below the 2 s retry base
-        ("breaker_max_open_seconds", "30"),  # below the 60 s open time
+        ("breaker_max_open_seconds", "20"),  # below the 30 s open time
         ("connect_timeout_seconds", "25"),  # the lease (30 s) would not exceed connect + read
         ("claim_batch", "2.5"),
         ("shutdown_grace_seconds", "soon"),
