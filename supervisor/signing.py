@@ -20,6 +20,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -44,6 +45,7 @@ __all__ = [
     "content_digest",
     "generate_signing_key_pem",
     "hmac_headers",
+    "jwks_document",
     "load_signing_key",
     "signature_base",
     "signature_headers",
@@ -201,6 +203,22 @@ def load_signing_key(path: str | os.PathLike[str], key_id: str | None = None) ->
     if jwk is not None and any(jwk.get(n, v) != v for n, v in key.public_jwk().items() if n in ("x", "y")):
         raise ConfigurationError(f"{where}: the JWK's public members x/y do not match its 'd'")
     return key
+
+
+def jwks_document(settings: Settings, key_specs: Sequence[tuple[str, str | None]] = ()) -> dict[str, object]:
+    """The public JWKS a seller publishes at its ``jwks_uri`` (``outboxd keys jwks``).
+
+    The keys are ``key_specs`` (``(file, key_id)`` pairs) when given, else every key the
+    daemon signs with: the default key and each tenant's. One function for the CLI and for
+    a seller serving the document itself (docs/examples/adcp_seller.py), so both always
+    publish exactly the keys the daemon signs with.
+    """
+    specs = list(key_specs) or (
+        [(settings.signing_key_file, settings.signing_key_id)] if settings.signing_key_file else []
+    ) + list(settings.tenant_signing_keys.values())
+    if not specs:
+        raise ConfigurationError("no signing key: set OUTBOX_SIGNING_KEY_FILE / OUTBOX_SIGNING_KEY_ID or pass --key FILE=KID")
+    return {"keys": [load_signing_key(file, key_id or None).public_jwk() for file, key_id in dict.fromkeys(specs)]}
 
 
 def generate_signing_key_pem(alg: str = ALG_ED25519) -> bytes:
