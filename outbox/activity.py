@@ -24,6 +24,7 @@ from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.producer import Conn, _check_string, _connection, _tenant, default_settings, principal
 from outbox.schema import attempts, messages
+from outbox.urls import public_url
 
 MAX_LIMIT = 200  # get-media-buys-request webhook_activity_limit: 1..200
 _UUID = re.compile(r"^[0-9a-fA-F]{8}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{4}-?[0-9a-fA-F]{12}$")
@@ -44,9 +45,10 @@ def _secret_looking(segment: str) -> bool:
         and any(c.isalpha() for c in segment) and len(set(segment)) >= 10
 
 
-def public_url(url: str) -> str:
-    """The URL as a buyer may see it: no query or fragment, secret-looking segments redacted."""
-    parts = urlsplit(url)
+def activity_url(url: str) -> str:
+    """The URL as a buyer may see it: :func:`outbox.urls.public_url` (no userinfo, query or
+    fragment), with secret-looking path segments redacted too."""
+    parts = urlsplit(public_url(url))
     path = "/".join(REDACTED if _secret_looking(s) else s for s in parts.path.split("/"))
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
@@ -75,7 +77,7 @@ def _common(row: Any, attempt: int, status: str, fired_at: float, completed_at: 
                   notification_type=row.notification_type)
     if row.sequence_number is not None:
         record["sequence_number"] = row.sequence_number
-    record.update(attempt=attempt, status=status, url=public_url(row.url))
+    record.update(attempt=attempt, status=status, url=activity_url(row.url))
     return record
 
 

@@ -19,6 +19,7 @@ from sqlalchemy import select
 from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
+from outbox.identity import store_bound
 from outbox.producer import (
     Conn,
     EnqueuedMessage,
@@ -29,7 +30,7 @@ from outbox.producer import (
     _member,
     _Registration,
     _render,
-    _store,
+    _row,
     _tenant,
     _timestamp,
     default_settings,
@@ -95,14 +96,13 @@ def enqueue_event(
         if notification_type not in json.loads(row.event_types):
             continue
         key = _idempotency_key(None)
-        body = _render({"idempotency_key": key, "notification_id": event_id, "notification_type": notification_type,
-                        "fired_at": fired_at, "subscriber_id": row.subscriber_id, **fields})
+        content = {"idempotency_key": key, "notification_id": event_id, "notification_type": notification_type,
+                   "fired_at": fired_at, "subscriber_id": row.subscriber_id, **fields}
         registration = _Registration(row.url, None, None, row.auth_mode, _credentials(row, settings))
         columns: dict[str, Any] = {"notification_type": notification_type, "notification_id": event_id,
                                    "account_id": account, "subscriber_id": row.subscriber_id,
                                    "subscriber_ref": row.id, "principal_id": row.principal_id}
         if row.state == "pending_proof":
             columns.update(held=True, next_attempt_at=HOLD_UNTIL)
-        fires.append((registration, key, body, columns))
-    return [_store(connection, tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
-                   columns=columns) for registration, key, body, columns in fires]
+        fires.append(_row(tenant, registration, key, _render(content), content, settings, columns))
+    return [store_bound(connection, fire) for fire in fires]

@@ -27,6 +27,7 @@ from sqlalchemy import Connection, Update, delete, select, update
 from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
+from outbox.identity import store_bound
 from outbox.producer import (
     Conn,
     _as_mapping,
@@ -35,7 +36,7 @@ from outbox.producer import (
     _registration,
     _render,
     _Registration,
-    _store,
+    _row,
     _tenant,
     default_settings,
     principal,
@@ -172,17 +173,16 @@ def _queue_challenge(connection: Connection, *, row_id: int, tenant: str, accoun
     delivery_auth: dict[str, str] = {"mode": protocol.DELIVERY_AUTH_MODES[registration.auth_mode]}
     if registration.credentials is not None:
         delivery_auth["credential_fingerprint"] = _fingerprint(registration.credentials) or ""
-    body = _render({
+    content = {
         "type": protocol.CHALLENGE_TYPE, "challenge": secrets.token_urlsafe(32), "account_id": account,
         "subscriber_id": subscriber_id, "seller_agent_url": agent_url,
         "delivery_auth": delivery_auth, "event_types": events,
-    })
+    }
     proof = _Registration(registration.url, None, None, "rfc9421", None)
-    enqueued = _store(connection, tenant_id=tenant, registration=proof, key=f"whk_{uuid.uuid4()}", body=body,
-                      settings=settings, columns={
-                          "notification_type": protocol.CHALLENGE_TYPE, "account_id": account,
-                          "subscriber_id": subscriber_id, "subscriber_ref": row_id, "principal_id": owner})
-    return enqueued.id
+    columns = {"notification_type": protocol.CHALLENGE_TYPE, "account_id": account,
+               "subscriber_id": subscriber_id, "subscriber_ref": row_id, "principal_id": owner}
+    row = _row(tenant, proof, f"whk_{uuid.uuid4()}", _render(content), content, settings, columns)
+    return store_bound(connection, row).id
 
 
 def _key(tenant: str, account: str, subscriber_id: str) -> Any:

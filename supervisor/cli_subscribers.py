@@ -17,7 +17,7 @@ from outbox import protocol
 from outbox.config import Settings
 from outbox.schema import attempts, messages, subscribers
 from outbox.subscribers import Subscriber, _record
-from outbox.urls import without_query
+from outbox.urls import public_url
 from supervisor.cli_common import Subcommands, UserError, positive_int, print_json, run_async, table
 from supervisor.ops import rfc3339
 
@@ -27,7 +27,7 @@ def _public(record: Subscriber, row: Any) -> dict[str, Any]:
             **record.config_state(), "state": record.state, "created_at": rfc3339(row.created_at),
             "updated_at": rfc3339(row.updated_at), "proven_at": rfc3339(record.proven_at),
             "challenge_message_id": record.challenge_message_id}
-    data["url"] = without_query(data["url"])  # query strings may carry buyer secrets
+    data["url"] = public_url(data["url"])  # query strings may carry buyer secrets
     return data
 
 

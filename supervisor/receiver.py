@@ -105,6 +105,36 @@ def adcp_verifier(public_jwks: dict[str, Any]) -> Verifier:
     return verify
 
 
+def served_jwks_verifier(jwks_urls: list[str], revocation_url: str | None = None,
+                         issuer: str | None = None) -> Verifier:
+    """The ``adcp`` SDK's verifier against the JWKS served right now: fetched again for every
+    request (round robin over ``jwks_urls``), as by a buyer whose cache just expired; with
+    ``revocation_url``, the SDK also fetches and checks the signed revocation list each time."""
+    import httpx
+    from adcp.signing import CachingRevocationChecker, FetchResult, InMemoryReplayStore, StaticJwksResolver
+    from adcp.signing.webhook_verifier import WebhookVerifyOptions, verify_webhook_signature
+
+    replays = InMemoryReplayStore()
+    turn = iter(range(sys.maxsize))
+    client = httpx.Client(timeout=5)  # one client: building one costs more than the fetch
+
+    def fetch_list(uri: str, **_: Any) -> Any:
+        return FetchResult(body=client.get(uri).json(), etag=None)
+
+    def verify(method: str, url: str, headers: dict[str, str], body: bytes) -> str | None:
+        try:
+            resolver = StaticJwksResolver(client.get(jwks_urls[next(turn) % len(jwks_urls)]).json())
+            revocations = None if revocation_url is None else CachingRevocationChecker(
+                revocation_uri=revocation_url, issuer=issuer or "", jwks_resolver=resolver, fetcher=fetch_list)
+            verify_webhook_signature(method=method, url=url, headers=headers, body=body, options=WebhookVerifyOptions(
+                jwks_resolver=resolver, revocation_checker=revocations, replay_store=replays))
+        except Exception as exc:
+            return getattr(exc, "code", None) or type(exc).__name__
+        return None
+
+    return verify
+
+
 class Receiver:
     def __init__(self, verifier: Verifier | None, log: IO[str] | None, *, seed: int = 0,
                  log_bodies: bool = False) -> None:
@@ -178,6 +208,7 @@ class Receiver:
                 "t": time.time(), "path": target.split("?")[0], "key": key, "status": status,
                 "sha256": hashlib.sha256(body).hexdigest(), "verified": problem is None and "signature" in headers,
                 "problem": problem, "signature_input": headers.get("signature-input"),
+                "keyid": headers.get("signature-input", "").partition('keyid="')[2].partition('"')[0] or None,
                 "content_digest": headers.get("content-digest"), "type": kind,
                 "subscriber_id": parsed.get("subscriber_id"),
                 **({"body": body.decode("utf-8", "replace"), "authorization": headers.get("authorization")}
@@ -210,6 +241,10 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m supervisor.receiver --jwks FILE --port-file FILE --log FILE``"""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jwks", help="public JWKS to verify signatures with (omit: no verification)")
+    parser.add_argument("--jwks-url", action="append",
+                        help="verify with the adcp SDK against the JWKS served here now (repeatable: round robin)")
+    parser.add_argument("--revocation-url", help="with --jwks-url: also check this signed revocation list")
+    parser.add_argument("--revocation-issuer", help="the revocation list's expected issuer origin")
     parser.add_argument("--verifier", choices=["library", "adcp"], default="library")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--port-file", help="write the bound port here once listening")
@@ -218,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-bodies", action="store_true", help="also log each body and Authorization header")
     args = parser.parse_args(argv)
     verifier = None
-    if args.jwks:
+    if args.jwks_url:
+        verifier = served_jwks_verifier(args.jwks_url, args.revocation_url, args.revocation_issuer)
+    elif args.jwks:
         jwks = json.loads(Path(args.jwks).read_text())
         verifier = (adcp_verifier if args.verifier == "adcp" else library_verifier)(jwks)
     log = open(args.log, "a") if args.log else None

@@ -12,8 +12,9 @@ import pytest
 from sqlalchemy import select
 
 import outbox
-from outbox.activity import public_url
+from outbox.activity import activity_url
 from outbox.config import with_overrides
+from outbox.identity import binding_digest
 from outbox.schema import attempts, db_now, messages, subscribers
 from outbox.subscribers import HOLD_UNTIL
 from tests.adcp_schema import assert_valid
@@ -113,6 +114,9 @@ def test_fan_out_matches_event_types_and_shares_one_notification_id(engine, cfg)
     for fire in fires:
         assert_valid(fire.body, "core/account-status-changed-webhook.json")
         assert fire.held and fire.next_attempt_at == HOLD_UNTIL  # their proofs are still pending
+        assert bytes(fire.binding_digest) == binding_digest(fire._mapping)  # docs/protocol.md "Idempotency"
+    (challenge, *_) = rows(engine, messages.c.notification_type == "webhook.challenge")
+    assert bytes(challenge.binding_digest) == binding_digest(challenge._mapping)
 
 
 def test_validation_names_the_field(engine, cfg):
@@ -180,9 +184,10 @@ async def test_async_flavour_runs_in_the_callers_transaction(sqlite_url, cfg):
     ("https://b.example/h/550e8400-e29b-41d4-a716-446655440000/x", "https://b.example/h/redacted/x"),
     ("https://b.example/h/sk_live_9aZ3kQ7xP2mW8vR4/in", "https://b.example/h/redacted/in"),
     ("https://b.example/webhooks/buyer-primary/v1", "https://b.example/webhooks/buyer-primary/v1"),
+    ("https://user:pw@b.example/hooks/adcp", "https://b.example/hooks/adcp"),
 ])
 def test_activity_urls_hide_queries_and_secret_looking_segments(url, shown):
-    assert public_url(url) == shown
+    assert activity_url(url) == shown
 
 
 def test_reactivating_a_proven_config_needs_no_new_proof(engine, cfg):

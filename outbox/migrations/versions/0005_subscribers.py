@@ -1,7 +1,7 @@
 """Account-level notification subscribers, fire attribution, and the proof_failed dead reason.
 
 Revision ID: 0005_subscribers
-Revises: 0003_breaker_window
+Revises: 0002_tenant_identity
 
 Additive only (a daemon one release behind keeps working): one new table, nullable
 columns, a ``held`` flag that defaults to false, and a wider ``dead_reason`` check.
@@ -18,7 +18,7 @@ from outbox.migrate import record_min_reader
 from outbox.schema import PG_NOW, SQLITE_NOW
 
 revision = "0005_subscribers"
-down_revision = "0003_breaker_window"
+down_revision = "0002_tenant_identity"
 branch_labels = None
 depends_on = None
 
