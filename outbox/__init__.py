@@ -8,6 +8,9 @@ daemon's HTTP stack.
 from outbox.config import Settings, load_settings
 from outbox.producer import EnqueuedMessage, enqueue, enqueue_delivery_report, enqueue_task_webhook
 from outbox.errors import ConfigurationError, IdempotencyConflictError, OutboxValidationError
+from outbox.activity import webhook_activity
+from outbox.events import enqueue_event
+from outbox.subscribers import Subscriber, list_subscribers, register_subscriber, remove_subscriber
 
 __all__ = [
     "ConfigurationError",
@@ -15,8 +18,14 @@ __all__ = [
     "IdempotencyConflictError",
     "OutboxValidationError",
     "Settings",
+    "Subscriber",
     "enqueue",
     "enqueue_delivery_report",
+    "enqueue_event",
     "enqueue_task_webhook",
+    "list_subscribers",
     "load_settings",
+    "register_subscriber",
+    "remove_subscriber",
+    "webhook_activity",
 ]

@@ -31,6 +31,7 @@ MASK = "****"
 # docs/protocol.md, "Retry horizon": delivery_retry_horizon_seconds is 86400..604800.
 MIN_HORIZON = 86_400
 MAX_HORIZON = 604_800
+MIN_ACTIVITY_RETENTION_DAYS = 30  # webhook-activity-record: retained >= 30 days after completed_at
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -92,6 +93,9 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "breaker_window_seconds": _seconds(),
     "key_cache_window_seconds": _seconds(zero=True),
     "sink_timeout_seconds": _seconds(),
+    "proof_max_attempts": Bounds(1, MAX_COUNT),
+    # At least the 30 days AdCP requires of webhook_activity[] history (docs/subscribers.md).
+    "activity_retention_days": Bounds(MIN_ACTIVITY_RETENTION_DAYS, 36_500, why=" (AdCP webhook_activity retention)"),
 }
 
 
@@ -144,6 +148,12 @@ class Settings:
     revocation_issuer: str | None = None
     ui_addr: str = "127.0.0.1:8465"  # `outboxd ui`: loopback unless the operator says otherwise
     ui_token: str | None = None  # `outboxd ui`: the token for signing in; generated when unset
+    # Account-level subscribers (docs/subscribers.md): the seller agent URL named in every
+    # webhook.challenge, how many proof attempts a URL gets, and how long attempt history is
+    # kept for webhook_activity[] (AdCP: at least 30 days after completed_at).
+    seller_agent_url: str | None = None
+    proof_max_attempts: int = 8
+    activity_retention_days: int = MIN_ACTIVITY_RETENTION_DAYS
 
     def __post_init__(self) -> None:
         for name, bounds in NUMERIC_BOUNDS.items():

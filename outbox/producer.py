@@ -184,6 +184,23 @@ def _tenant(tenant_id: Any) -> str:
     return _check_string(tenant_id, "tenant_id")
 
 
+def _attribution(**columns: str | None) -> dict[str, str]:
+    """The attribution columns that are set: a producer on a schema one migration behind
+    (a rolling upgrade) writes none of the columns it does not use."""
+    return {name: value for name, value in columns.items() if value is not None}
+
+
+def _event_id(body: Mapping[str, Any]) -> str | None:
+    """The payload's ``notification_id`` when it is a valid one, kept for the activity log."""
+    value = body.get("notification_id")
+    return value if isinstance(value, str) and protocol.NOTIFICATION_ID_RE.fullmatch(value) else None
+
+
+def principal(principal_id: Any) -> str | None:
+    """The buyer principal a notification belongs to (``None``: the seller did not say)."""
+    return _optional_string(principal_id, "principal_id")
+
+
 def _horizon(horizon_seconds: Any) -> int | None:
     if horizon_seconds is None:
         return None
@@ -208,12 +225,14 @@ def enqueue_task_webhook(
     idempotency_key: str | None = None,
     notification_id: str | None = None,
     horizon_seconds: int | None = None,
+    principal_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue an MCP task-status webhook (docs/protocol.md "Webhook bodies") in the caller's transaction.
 
     Call it in the same transaction that moves the task to ``status``; it never commits.
     Terminal statuses get ``notification_id = "<task_id>.terminal"`` unless given.
+    ``principal_id`` names the buyer principal the notification belongs to.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -245,7 +264,8 @@ def enqueue_task_webhook(
                 "token": registration.token, "result": result, "context": context}
     envelope.update({k: v for k, v in optional.items() if v is not None})
     row = _row(tenant, registration, key, _render(envelope), envelope, settings,
-               {"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon})
+               {"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon,
+                **_attribution(principal_id=principal(principal_id))})
     return store_bound(_connection(conn), row, settings.sealing())
 
 
@@ -260,6 +280,7 @@ def enqueue_delivery_report(
     task_id: str | None = None,
     idempotency_key: str | None = None,
     horizon_seconds: int | None = None,
+    principal_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue a ``media_buy_delivery`` report with the stream's next ``sequence_number``.
@@ -270,6 +291,7 @@ def enqueue_delivery_report(
     contiguous numbers), or tenant + ``stream_key``. Everything that can fail, the
     idempotency check included, runs before the number is allocated. The stream row stays
     locked until the caller commits: enqueue reports last.
+    ``principal_id`` scopes the report's attempts in :func:`outbox.webhook_activity`.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -283,6 +305,7 @@ def enqueue_delivery_report(
     _optional_string(stream_key, "stream_key")
     _optional_string(task_id, "task_id")
     horizon = _horizon(horizon_seconds)
+    owner = principal(principal_id)
     key = _idempotency_key(idempotency_key)
     envelope: dict[str, Any] = {
         "idempotency_key": key,
@@ -300,7 +323,8 @@ def enqueue_delivery_report(
                                                                                         registration.url)
     legacy_stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"  # the pre-0002 key
     columns = {"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE, "task_status": "completed",
-               "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon}
+               "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon,
+               **_attribution(media_buy_id=media_buy_id, principal_id=owner)}
     row = _row(tenant, registration, key, _render(envelope), envelope, settings, columns)
     keys = settings.sealing()
     connection = _connection(conn)
@@ -329,12 +353,15 @@ def enqueue(
     authentication: Mapping[str, Any] | None = None,
     notification_type: str | None = None,
     horizon_seconds: int | None = None,
+    principal_id: str | None = None,
+    media_buy_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue any other AdCP notification body on the same delivery contract (docs/protocol.md "Webhook bodies").
 
     ``payload`` is a mapping (its ``idempotency_key`` is set, or minted) or the exact JSON
     bytes to send, which must be an object carrying a valid ``idempotency_key``.
+    ``principal_id`` and ``media_buy_id`` attribute it in :func:`outbox.webhook_activity`.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -361,5 +388,7 @@ def enqueue(
         decoded = envelope
     row = _row(tenant, registration, key, body, decoded, settings,
                {"notification_type": _optional_string(notification_type, "notification_type"),
-                "horizon_seconds": _horizon(horizon_seconds)})
+                "horizon_seconds": _horizon(horizon_seconds),
+                **_attribution(principal_id=principal(principal_id), notification_id=_event_id(decoded),
+                               media_buy_id=_optional_string(media_buy_id, "media_buy_id"))})
     return store_bound(_connection(conn), row, settings.sealing())

@@ -39,3 +39,27 @@ MIN_LEGACY_CREDENTIAL_LENGTH = 32  # docs/protocol.md "Legacy credentials" crede
 LEGACY_CREDENTIAL_RE = re.compile(r"[\x21-\x7e]+")
 LEGACY_SCHEMES = {"HMAC-SHA256": "hmac", "Bearer": "bearer"}  # enums/auth-scheme.json
 MAX_BODY_BYTES = 1024 * 1024  # receivers SHOULD enforce 1 MB ("Sizes and timeouts")
+
+# Account-level notification channels, from the AdCP 3.2 schemas
+# (https://adcontextprotocol.org/schemas/3.2.4/core/notification-config.json and
+# .../enums/notification-type.json): what a notification_configs[] entry may subscribe to,
+# and every notification type a webhook_activity[] record may carry.
+ACCOUNT_EVENT_TYPES = frozenset(
+    """
+    creative.status_changed creative.assignment_changed indicators.changed creative.purged
+    account.status_changed account.change_recorded product.created product.updated product.priced
+    product.removed signal.created signal.updated signal.priced signal.removed wholesale_feed.bulk_change
+    reporting.delivery_ready reporting.status_changed reporting.ledger_changed
+    """.split()
+)
+NOTIFICATION_TYPES = ACCOUNT_EVENT_TYPES | DELIVERY_NOTIFICATION_TYPES | {
+    "impairment", "capabilities.changed", "principal.changed"}
+SUBSCRIBER_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # notification-config.json subscriber_id
+NOTIFICATION_CONFIG_KEYS = frozenset(
+    {"subscriber_id", "url", "event_types", "product_payload_view", "authentication", "active", "ext"})
+# webhook-challenge.json: the proof-of-control POST, and the receiver's echo fields
+# (webhook-challenge-response.json).
+CHALLENGE_TYPE = "webhook.challenge"
+CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_.:-]{32,255}$")
+CHALLENGE_ECHO_FIELDS = ("challenge", "token")
+DELIVERY_AUTH_MODES = {"rfc9421": "rfc9421", "hmac": "HMAC-SHA256", "bearer": "Bearer"}

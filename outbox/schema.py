@@ -24,16 +24,19 @@ from sqlalchemy import (
     PrimaryKeyConstraint,
     Table,
     Text,
+    false,
     text,
+    true,
 )
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
 STATES = ("pending", "in_flight", "delivered", "dead")
-DEAD_REASONS = ("expired", "conflict", "signature_rejected", "gone", "rejected", "invalid", "blocked")
+DEAD_REASONS = ("expired", "conflict", "signature_rejected", "gone", "rejected", "invalid", "blocked", "proof_failed")
 AUTH_MODES = ("rfc9421", "hmac", "bearer")
 TRIGGERS = ("scheduled", "replay")
 BREAKER_STATES = ("closed", "open", "half_open")
+SUBSCRIBER_STATES = ("pending_proof", "active", "paused", "proof_failed")
 
 PG_NOW = "extract(epoch from now())::float8"
 SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -109,6 +112,16 @@ messages = Table(
     Column("last_status", Integer),
     Column("last_error", Text),
     Column("finished_at", _Epoch),
+    # Who the fire belongs to (webhook_activity scoping and filters; docs/subscribers.md).
+    Column("principal_id", Text),
+    Column("account_id", Text),
+    Column("subscriber_id", Text),
+    Column("notification_id", Text),
+    Column("media_buy_id", Text),
+    Column("subscriber_ref", BigInteger),  # outbox_subscribers.id of an account-level fire or challenge
+    # A fire waiting for its subscriber's URL proof: also due only in the far future, so no
+    # claim (of this release or an older one) ever takes it before it is released.
+    Column("held", Boolean, nullable=False, server_default=false()),
     _enum_check("state", STATES, "outbox_messages_state_check"),
     _enum_check("dead_reason", DEAD_REASONS, "outbox_messages_dead_reason_check", nullable=True),
     _enum_check("auth_mode", AUTH_MODES, "outbox_messages_auth_mode_check"),
@@ -144,6 +157,9 @@ messages = Table(
           postgresql_where=text("state = 'pending'"), sqlite_where=text("state = 'pending'")),
     Index("outbox_messages_pending_created_idx", "created_at", postgresql_where=text("state = 'pending'"),
           sqlite_where=text("state = 'pending'")),
+    Index("outbox_messages_held_idx", "subscriber_ref", postgresql_where=text("held"), sqlite_where=text("held")),
+    Index("outbox_messages_activity_idx", "tenant_id", "principal_id", "created_at",
+          postgresql_where=text("notification_type IS NOT NULL"), sqlite_where=text("notification_type IS NOT NULL")),
     # The re-sealer finds rows not under the active key by range scans, not a table scan.
     Index("outbox_messages_body_key_idx", "body_key_id", "id"),
 )
@@ -200,6 +216,33 @@ breakers = Table(
     Column("previous_failures", Integer, nullable=False, server_default="0"),
     PrimaryKeyConstraint("tenant_id", "origin", name="outbox_breakers_pkey"),
     _enum_check("state", BREAKER_STATES, "outbox_breakers_state_check"),
+)
+
+# Account-level notification channels (``notification_configs[]`` on ``sync_accounts``).
+subscribers = Table(
+    "outbox_subscribers",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("tenant_id", Text, nullable=False),
+    Column("account_id", Text, nullable=False),
+    Column("subscriber_id", Text, nullable=False),
+    Column("principal_id", Text),
+    Column("url", Text, nullable=False),
+    Column("event_types", Text, nullable=False),  # JSON array, sorted
+    Column("auth_mode", Text, nullable=False, server_default="rfc9421"),
+    Column("auth_secret", LargeBinary),  # sealed legacy credentials (write-only)
+    Column("active", Boolean, nullable=False, server_default=true()),
+    Column("state", Text, nullable=False),
+    Column("config_sha256", Text, nullable=False),  # URL, events and auth as registered
+    Column("proven_sha256", Text),  # the configuration whose URL proof succeeded last
+    Column("challenge_message_id", BigInteger),  # the proof in progress (or last made)
+    Column("created_at", _Epoch, nullable=False, server_default=db_now()),
+    Column("updated_at", _Epoch, nullable=False, server_default=db_now()),
+    Column("proven_at", _Epoch),
+    _enum_check("state", SUBSCRIBER_STATES, "outbox_subscribers_state_check"),
+    _enum_check("auth_mode", AUTH_MODES, "outbox_subscribers_auth_mode_check"),
+    Index("outbox_subscribers_key", "tenant_id", "account_id", "subscriber_id", unique=True),
+    Index("outbox_subscribers_challenge_idx", "challenge_message_id"),
 )
 
 ADCP_USES = ("request-signing", "webhook-signing")

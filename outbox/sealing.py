@@ -33,6 +33,7 @@ OVERHEAD = len(_VERSION) + _KEY_ID_BYTES + _NONCE_BYTES + _TAG_BYTES  # sealed s
 
 BODY = b"body"
 CREDENTIAL = b"credential"
+SUBSCRIBER_CREDENTIAL = b"subscriber-credential"  # bound to (tenant, [account, subscriber])
 
 
 class SealError(ValueError):

@@ -228,6 +228,7 @@ class _Statements:
                 retry_until = CASE WHEN :force THEN {now} + COALESCE(horizon_seconds, :horizon) ELSE retry_until END
             WHERE id IN :ids AND state IN ('dead', 'delivered')
               AND (:force OR {DEADLINE} > {now})
+              AND COALESCE(dead_reason, '') <> 'proof_failed' -- never to a URL that failed its proof
             RETURNING id
         """).bindparams(bindparam("ids", expanding=True))
 
@@ -415,10 +416,10 @@ async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> l
     return list(await conn.execute(sql(conn).rescue, {"limit": limit}))
 
 
-async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[str]:
-    """End ``dead expired`` what is pending past its horizon (attempted or not); their tenants, one per message."""
+async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[Any]:
+    """End ``dead expired`` what is pending past its horizon (attempted or not); their (id, tenant_id) rows."""
     params = {"limit": limit, "horizon": horizon_seconds, "min_horizon": MIN_HORIZON_SECONDS}
-    return [r.tenant_id for r in await conn.execute(sql(conn).expire, params)]
+    return list(await conn.execute(sql(conn).expire, params))
 
 
 async def live_counts(conn: AsyncConnection) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from outbox.producer import decode_body
 from outbox.sealing import CREDENTIAL, SealError, plaintext
 from outbox.store import Claimed
 from outbox.urls import validate_destination
+from supervisor import challenge
 from supervisor.classify import Verdict, classify_response, classify_transport_error
 from supervisor.signing import CONTENT_TYPE, Clock, KeySource, bearer_headers, hmac_headers, signature_headers
 from supervisor.transport import HttpSender
@@ -78,7 +79,11 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
     body = decode_body(message.body)
     if body is None:
         return "body is not a JSON object", message.url
-    if body.get("idempotency_key") != message.idempotency_key:
+    if challenge.is_challenge(message.notification_type):
+        problem = challenge.body_problem(body, message.auth_mode)
+        if problem is not None:
+            return problem, message.url
+    elif body.get("idempotency_key") != message.idempotency_key:
         return "idempotency_key in the body differs from the row", message.url
     if not protocol.IDEMPOTENCY_KEY_RE.fullmatch(message.idempotency_key):
         return "idempotency_key does not match the AdCP pattern", message.url
@@ -149,7 +154,12 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
     else:
         verdict = classify_response(result.status, result.headers, now=message.claimed_at,
                                     retry_after_cap=settings.retry_after_cap_seconds)
-    error = result.error if result.status is None else (None if verdict.action == "delivered" else verdict.detail)
+    if challenge.is_challenge(message.notification_type):
+        verdict = challenge.judge(verdict, attempt=message.attempt, challenge_body=message.body,
+                                  response_body=result.body, max_attempts=settings.proof_max_attempts)
+    # The verdict's words for an answer (and for a proof that failed), else the transport's.
+    error = verdict.detail if result.status is not None or verdict.reason == "proof_failed" else result.error
+    error = None if verdict.action == "delivered" else error
     return Outcome(
         message, verdict.action, verdict.outcome, reason=verdict.reason, http_status=result.status,
         error=error[:200] if error else None, response_time_ms=result.elapsed_ms,

@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "supervisor.cli_messages",
     "supervisor.cli_keys",
     "supervisor.cli_encryption",
+    "supervisor.cli_subscribers",
 )
 
 

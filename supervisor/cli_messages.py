@@ -25,7 +25,12 @@ from supervisor.cli_common import (
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor import ops
 
-    data = run_async(settings, lambda conn: ops.status(conn, top=args.top))
+    from supervisor.cli_subscribers import counts_by_state
+
+    async def work(conn: Any) -> dict[str, Any]:
+        return {**await ops.status(conn, top=args.top), "subscribers": await counts_by_state(conn)}
+
+    data = run_async(settings, work)
     data["encryption"] = encryption_summary(settings)
     if args.json:
         print_json(data)
@@ -39,6 +44,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     print(f"encryption {data['encryption']}")
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
+    print("subscribers " + (", ".join(f"{k} {v}" for k, v in data["subscribers"].items()) or "none"))
     return 0
 
 
@@ -56,9 +62,9 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         print_json(rows)
         return 0
-    table([(r["id"], r["tenant_id"], r["state"], r["dead_reason"], r["attempts"], r["sequence_number"],
-            r["idempotency_key"], r["created_at"], r["url"]) for r in rows],
-          ["ID", "TENANT", "STATE", "REASON", "ATTEMPTS", "SEQ", "IDEMPOTENCY_KEY", "CREATED", "URL"])
+    table([(r["id"], r["tenant_id"], r["state"] + (" (held)" if r["held"] else ""), r["dead_reason"], r["attempts"],
+            r["sequence_number"], r["subscriber_id"], r["idempotency_key"], r["created_at"], r["url"]) for r in rows],
+          ["ID", "TENANT", "STATE", "REASON", "ATTEMPTS", "SEQ", "SUBSCRIBER", "IDEMPOTENCY_KEY", "CREATED", "URL"])
     return 0
 
 
@@ -73,8 +79,9 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     for key in ("id", "tenant_id", "state", "dead_reason", "idempotency_key", "sequence_number", "url",
                 "auth_mode", "attempts", "trigger", "last_status", "last_error", "created_at", "first_attempt_at",
-                "next_attempt_at", "retry_until", "finished_at"):
-        print(f"{key:17} {data[key] if data[key] is not None else '-'}")
+                "next_attempt_at", "retry_until", "finished_at", "notification_type", "account_id", "subscriber_id",
+                "subscriber_state", "principal_id", "held"):
+        print(f"{key:17} {data.get(key) if data.get(key) is not None else '-'}")
     print()
     table([(a["attempt_number"], a["occurred_at"], a["outcome"], a["http_status"], a["response_time_ms"],
             a["trigger"], a["error"]) for a in data["attempt_trail"]],
@@ -144,11 +151,17 @@ def cmd_breakers(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
     from outbox import store
 
+    # Attempt rows back buyers' webhook_activity[]: never purged inside its retention.
+    older_than = max(args.older_than, settings.activity_retention_days * 86400.0)
+    if older_than > args.older_than and not args.json:
+        print(f"keeping {settings.activity_retention_days} days of history for webhook_activity "
+              "(OUTBOX_ACTIVITY_RETENTION_DAYS)", file=sys.stderr)
+
     async def work(engine: Any) -> int:
         total = 0
         while True:  # one short transaction per batch: never a long lock on the table
             async with engine.begin() as conn:
-                n = await store.purge_batch(conn, older_than=args.older_than,
+                n = await store.purge_batch(conn, older_than=older_than,
                                             horizon_seconds=settings.retry_horizon_seconds, limit=args.batch)
             total += n
             if n < args.batch:
@@ -201,6 +214,7 @@ def register(add: Subcommands) -> None:
     _json_flag(p)
     p = add("purge", "Delete delivered and dead history older than the retention.", cmd_purge)
     p.add_argument("--older-than", type=parse_duration, required=True, metavar="DURATION",
-                   help="retention, e.g. 30d; nothing inside its retry horizon is ever deleted")
+                   help="retention, e.g. 30d; nothing inside its retry horizon or the activity "
+                        "retention (OUTBOX_ACTIVITY_RETENTION_DAYS, >= 30) is ever deleted")
     p.add_argument("--batch", type=positive_int, default=1000, help="rows per transaction (default 1000)")
     _json_flag(p)

@@ -26,6 +26,7 @@ from outbox.store import Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
+from supervisor import challenge
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
 from supervisor.classify import RetryPolicy
@@ -205,9 +206,19 @@ class Completer:
             await store.insert_attempts(conn, [record.as_row() for completion, record in plans
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
+            await self._settle_proofs(conn, plans, applied)
         self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded()
         self._after_commit(batch, plans, applied, transitions, now)
+
+    async def _settle_proofs(self, conn, plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
+                             applied: set[int]) -> None:
+        """Finished URL challenges make their subscribers active or failed (same transaction)."""
+        ended = [(c, r) for c, r in plans if r is not None and c.message_id in applied
+                 and c.state in ("delivered", "dead") and challenge.is_challenge(r.notification_type)]
+        if ended:
+            await challenge.settle(conn, [c.message_id for c, _ in ended if c.state == "delivered"],
+                                   [c.message_id for c, _ in ended if c.state == "dead"])
 
     def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
         """The message's new state, and its attempt record (``None``: no attempt was made)."""

@@ -19,6 +19,7 @@ from outbox import store
 from outbox.schema import breakers
 from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
+from supervisor import challenge
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
 
@@ -79,8 +80,9 @@ class Maintenance:
                 if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
-                    for tenant_id in expired:
-                        self._metrics.count_dead("expired", tenant_id)
+                        await challenge.settle(conn, [], [r.id for r in expired])  # an expired proof failed
+                    for row in expired:
+                        self._metrics.count_dead("expired", row.tenant_id)
                     if expired:
                         self._log.warning("messages.expired", count=len(expired))
                 if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
 from outbox.producer import decode_body
-from outbox.schema import attempts, breakers, messages
+from outbox.schema import attempts, breakers, messages, subscribers
 from outbox.urls import public_url, redact_urls
 from outbox.sealing import SealError, SealingKeys, plaintext
 
@@ -160,6 +160,9 @@ async def show(conn: AsyncConnection, ref: str, keys: SealingKeys | None = None)
     history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
                                  .order_by(attempts.c.attempt_number, attempts.c.id))
     data["attempt_trail"] = [_attempt(a) for a in history]
+    if row.subscriber_ref is not None:  # an account-level fire or URL proof: its subscriber's state
+        data["subscriber_state"] = (await conn.execute(select(subscribers.c.state).where(
+            subscribers.c.id == row.subscriber_ref))).scalar() or "removed"
     return data
 
 
@@ -202,7 +205,8 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_s
     for row in rows:
         item = _message(row)
         item["past_horizon"] = horizon_end(row, horizon_seconds) <= now
-        item["replayable"] = row.state in ("dead", "delivered")
+        # A fire whose subscriber URL failed its proof is never sent there (docs/subscribers.md).
+        item["replayable"] = row.state in ("dead", "delivered") and row.dead_reason != "proof_failed"
         result.append(item)
     return result
 

@@ -12,6 +12,7 @@ healthy, flaky, hostile and hanging buyers at once:
     /delay/MS             200 after MS milliseconds
     /chaos/PCT[/MAX]      PCT % of requests fail at random: 500, slow, reset or hang
                           (at most MAX times per idempotency key, if given)
+    /noecho               200, but never echoes a webhook.challenge (every other path does)
 
 Loopback only: it binds 127.0.0.1.
 """
@@ -135,9 +136,11 @@ def served_jwks_verifier(jwks_urls: list[str], revocation_url: str | None = None
 
 
 class Receiver:
-    def __init__(self, verifier: Verifier | None, log: IO[str] | None, *, seed: int = 0) -> None:
+    def __init__(self, verifier: Verifier | None, log: IO[str] | None, *, seed: int = 0,
+                 log_bodies: bool = False) -> None:
         self._verify = verifier
         self._log = log
+        self._log_bodies = log_bodies
         self._seen: Counter[str] = Counter()
         self._chaos_given: Counter[str] = Counter()
         self._random = random.Random(seed)
@@ -152,10 +155,11 @@ class Receiver:
                 method, target, _ = lines[0].split(" ", 2)
                 headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                status, extra = await self._respond(method, target, headers, body, writer)
+                status, extra, answer = await self._respond(method, target, headers, body, writer)
                 if status is None:
                     return
-                writer.write(f"HTTP/1.1 {status} X\r\nContent-Length: 0\r\n{extra}\r\n".encode())
+                head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(answer)}\r\n{extra}\r\n"
+                writer.write(head.encode() + answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.LimitOverrunError):
             pass
@@ -163,18 +167,22 @@ class Receiver:
             writer.close()
 
     async def _respond(self, method: str, target: str, headers: dict[str, str], body: bytes,
-                       writer: asyncio.StreamWriter) -> tuple[int | None, str]:
+                       writer: asyncio.StreamWriter) -> tuple[int | None, str, bytes]:
         self.arrivals += 1
         url = f"http://{headers.get('host', '')}{target}"
         problem = self._verify(method, url, headers, body) if self._verify and "signature" in headers else None
         try:
-            key = json.loads(body).get("idempotency_key", "")
+            parsed = json.loads(body)
         except ValueError:
-            key = ""
+            parsed = {}
+        parsed = parsed if isinstance(parsed, dict) else {}
+        kind = parsed.get("type") or parsed.get("notification_type")
+        # A challenge has no idempotency_key: /flaky counts its arrivals by its value.
+        key = parsed.get("challenge" if kind == "webhook.challenge" else "idempotency_key", "")
         self._seen[key] += 1
         parts = target.split("?")[0].strip("/").split("/")
         status: int | None = 200
-        extra = ""
+        extra, answer = "", b""
         if problem is not None:
             self.failures += 1
             status, extra = 401, f'WWW-Authenticate: Signature error="{problem.split()[0]}"\r\n'
@@ -192,18 +200,24 @@ class Receiver:
               and (len(parts) < 3 or self._chaos_given[key] < int(parts[2]))):
             self._chaos_given[key] += 1
             status = await self._chaos(writer)
+        if kind == "webhook.challenge" and status == 200 and parts[0] != "noecho":
+            answer = json.dumps({"challenge": key}).encode()  # proof of control: echo the value
+            extra = "Content-Type: application/json\r\n"
         if self._log is not None:
             self._log.write(json.dumps({
                 "t": time.time(), "path": target.split("?")[0], "key": key, "status": status,
                 "sha256": hashlib.sha256(body).hexdigest(), "verified": problem is None and "signature" in headers,
                 "problem": problem, "signature_input": headers.get("signature-input"),
                 "keyid": headers.get("signature-input", "").partition('keyid="')[2].partition('"')[0] or None,
-                "content_digest": headers.get("content-digest"),
+                "content_digest": headers.get("content-digest"), "type": kind,
+                "subscriber_id": parsed.get("subscriber_id"),
+                **({"body": body.decode("utf-8", "replace"), "authorization": headers.get("authorization")}
+                   if self._log_bodies else {}),
             }) + "\n")
             self._log.flush()
         if status is None:
             await asyncio.sleep(3600)
-        return status, extra
+        return status, extra, answer
 
     async def _chaos(self, writer: asyncio.StreamWriter) -> int | None:
         kind = self._random.choice(["500", "slow", "reset", "hang"])
@@ -236,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port-file", help="write the bound port here once listening")
     parser.add_argument("--log", help="append one JSON line per arrival here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-bodies", action="store_true", help="also log each body and Authorization header")
     args = parser.parse_args(argv)
     verifier = None
     if args.jwks_url:
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     log = open(args.log, "a") if args.log else None
 
     async def run() -> None:
-        server = await serve(Receiver(verifier, log, seed=args.seed), args.port)
+        server = await serve(Receiver(verifier, log, seed=args.seed, log_bodies=args.log_bodies), args.port)
         port = server.sockets[0].getsockname()[1]
         if args.port_file:
             tmp = Path(args.port_file + ".tmp")

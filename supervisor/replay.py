@@ -59,7 +59,8 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
                           missing=sorted(set(ids) - {c["id"] for c in candidates}),
                           refused=[{"id": c["id"], "state": c["state"],
                                     "why": "past its retry horizon (use --force)" if c["replayable"] else
-                                    f"state is {c['state']}"} for c in candidates if c not in eligible])
+                                    "its subscriber URL failed its proof" if c["dead_reason"] == "proof_failed"
+                                    else f"state is {c['state']}"} for c in candidates if c not in eligible])
     if dry_run:
         result.replayed = [c["id"] for c in eligible]
         return result

@@ -67,11 +67,11 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 
 @contextmanager
 def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver",
-             extra: Sequence[str] = ()) -> Iterator[tuple[int, Path]]:
+             extra: Sequence[str] = (), log_bodies: bool = False) -> Iterator[tuple[int, Path]]:
     """A receiver process; yields (port, arrivals JSONL file)."""
     port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
     args = [sys.executable, "-m", "supervisor.receiver", "--port-file", str(port_file), "--log", str(log),
-            "--verifier", verifier, *extra]
+            "--verifier", verifier, *extra, *(["--log-bodies"] if log_bodies else [])]
     if jwks is not None:
         args += ["--jwks", str(jwks)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)

@@ -40,6 +40,26 @@ def test_beside_a_sellers_own_alembic_history(pg_engine):
         assert current_revision(conn) == head_revision()
 
 
+def test_0005_keeps_existing_rows_and_admits_proof_failed(tmp_path):
+    """The SQLite rebuild that widens the dead_reason check copies every row across."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    upgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO outbox_messages (tenant_id, url, idempotency_key, body, state, dead_reason)"
+                          " VALUES ('t', 'https://b.example/h', 'whk_0123456789abcdef', x'7b7d', 'dead', 'gone')"))
+    upgrade(engine)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT tenant_id, dead_reason, held FROM outbox_messages")).one() == ("t", "gone", 0)
+        conn.execute(text("UPDATE outbox_messages SET dead_reason = 'proof_failed'"))
+    fresh = make_engine(f"sqlite:///{tmp_path / 'new.db'}")
+    upgrade(fresh)
+    with engine.connect() as old, fresh.connect() as new:
+        ddl = "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'outbox_messages' ORDER BY name"
+        indexes = new.execute(text(ddl)).all()
+        assert old.execute(text(ddl)).all() == indexes
+    assert {"outbox_messages_endpoint_due_idx", "outbox_messages_held_idx"} <= {name for name, _ in indexes}
+
+
 def test_schema_check_follows_the_recorded_minimum_reader(sqlite_engine):
     """docs/architecture.md, "Rolling upgrades": current, behind, ahead-but-readable, too new."""
     from outbox.migrate import check_schema, known_revisions

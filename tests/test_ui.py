@@ -13,6 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+import outbox
 from outbox.schema import messages
 from tests import procs
 from tests.test_e2e import enqueue_many, finished
@@ -144,24 +145,25 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
     assert len(procs.arrivals(log)) == 3  # the other message was not replayed
 
 
-async def test_subscribers_are_shown_when_the_table_exists_and_masked(sqlite_engine):
+async def test_subscribers_are_shown_and_masked(sqlite_engine, settings):
+    from outbox.config import with_overrides
     from outbox.db import make_async_engine
     from supervisor.ui.app import subscribers
 
     url = sqlite_engine.url.render_as_string(hide_password=False)
     engine = make_async_engine(url)
+    entry = {"subscriber_id": "s1", "url": "http://127.0.0.1:9/h?sig=SENTINEL", "event_types": ["creative.purged"],
+             "authentication": {"schemes": ["Bearer"], "credentials": "SENTINEL" * 5}}
     try:
-        assert await subscribers(engine) is None  # no registry in this schema: the page says so
+        assert await subscribers(engine) == []  # the registry exists, empty
         with sqlite_engine.begin() as conn:
-            conn.exec_driver_sql("CREATE TABLE outbox_subscribers (id INTEGER PRIMARY KEY, tenant_id TEXT, "
-                                 "url TEXT, auth_secret BLOB, token TEXT)")
-            conn.exec_driver_sql("INSERT INTO outbox_subscribers VALUES (1, 'acme', "
-                                 "'https://b.example/h?sig=SENTINEL', x'00ff', 'tok-SENTINEL')")
+            outbox.register_subscriber(conn, tenant_id="acme", account_id="a1", notification_config=entry,
+                                       settings=with_overrides(settings, seller_agent_url="https://s.example"))
         [row] = await subscribers(engine)
     finally:
         await engine.dispose()
-    assert row == {"id": 1, "tenant_id": "acme", "url": "https://b.example/h", "auth_secret": "[redacted]",
-                   "token": "[redacted]"}
+    assert row["url"] == "http://127.0.0.1:9/h" and row["auth_secret"] == "[redacted]"
+    assert "SENTINEL" not in repr(row)
 
 
 def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_path):
