@@ -57,6 +57,10 @@ class Settings:
     sinks: tuple[str, ...] = ()
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False
+    # HTTPS trust (supervisor/tls.py): a private CA file or directory, else certifi | system
+    tls_ca_file: str | None = None
+    tls_ca_dir: str | None = None
+    tls_trust: str = "certifi"
     log_format: str = "auto"  # auto | json | console
 
     def __post_init__(self) -> None:
@@ -73,6 +77,8 @@ class Settings:
         for name in ("concurrency", "endpoint_concurrency", "claim_batch"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"OUTBOX_{name.upper()} must be at least 1")
+        if self.tls_trust not in ("certifi", "system"):
+            raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
 

@@ -69,7 +69,7 @@ def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name
              ) -> Iterator[tuple[int, Path]]:
     """A receiver process; yields (port, arrivals JSONL file)."""
     port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
-    args = [sys.executable, "-m", "supervisor.receiver", "--port-file", str(port_file), "--log", str(log),
+    args = [sys.executable, "-m", "outboxd_receiver", "--port-file", str(port_file), "--log", str(log),
             "--verifier", verifier]
     if jwks is not None:
         args += ["--jwks", str(jwks)]

@@ -1,0 +1,115 @@
+"""The receiver's HTTP/1.1 server: it records every arrival and answers as the path says.
+
+Paths (one process can play healthy, flaky, hostile and hanging buyers at once):
+
+    /ok                   200
+    /flaky/N[/CODE]       CODE (default 503) for the first N arrivals of each key, then 200
+    /status/CODE          always CODE (401 carries a webhook_signature_invalid challenge)
+    /hang                 accepts and never answers
+    /chaos/PCT            PCT % of requests fail at random: 500, slow, reset or hang
+
+Loopback only: it binds 127.0.0.1, over plain HTTP or TLS (``ssl_context``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import socket
+import ssl
+import struct
+import time
+from collections import Counter
+from typing import IO
+
+from outboxd_receiver.verifiers import Verifier
+
+
+class Receiver:
+    """One process playing many buyers; ``scheme`` is what the signed ``@target-uri`` used."""
+
+    def __init__(self, verifier: Verifier | None, log: IO[str] | None, *, seed: int = 0,
+                 scheme: str = "http") -> None:
+        self._verify = verifier
+        self._scheme = scheme
+        self._log = log
+        self._seen: Counter[str] = Counter()
+        self._random = random.Random(seed)
+        self.arrivals = 0
+        self.failures = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                status, extra = await self._respond(method, target, headers, body, writer)
+                if status is None:
+                    return
+                writer.write(f"HTTP/1.1 {status} X\r\nContent-Length: 0\r\n{extra}\r\n".encode())
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    async def _respond(self, method: str, target: str, headers: dict[str, str], body: bytes,
+                       writer: asyncio.StreamWriter) -> tuple[int | None, str]:
+        self.arrivals += 1
+        url = f"{self._scheme}://{headers.get('host', '')}{target}"
+        problem = self._verify(method, url, headers, body) if self._verify and "signature" in headers else None
+        try:
+            key = json.loads(body).get("idempotency_key", "")
+        except ValueError:
+            key = ""
+        self._seen[key] += 1
+        parts = target.split("?")[0].strip("/").split("/")
+        status: int | None = 200
+        extra = ""
+        if problem is not None:
+            self.failures += 1
+            status, extra = 401, f'WWW-Authenticate: Signature error="{problem.split()[0]}"\r\n'
+        elif parts[0] == "flaky" and self._seen[key] <= int(parts[1]):
+            status = int(parts[2]) if len(parts) > 2 else 503
+        elif parts[0] == "status":
+            status = int(parts[1])
+            if status == 401:
+                extra = 'WWW-Authenticate: Signature error="webhook_signature_invalid"\r\n'
+        elif parts[0] == "hang":
+            status = None
+        elif parts[0] == "chaos" and self._random.random() * 100 < float(parts[1]):
+            status = await self._chaos(writer)
+        if self._log is not None:
+            self._log.write(json.dumps({
+                "t": time.time(), "path": target.split("?")[0], "key": key, "status": status,
+                "sha256": hashlib.sha256(body).hexdigest(), "verified": problem is None and "signature" in headers,
+                "problem": problem, "signature_input": headers.get("signature-input"),
+                "content_digest": headers.get("content-digest"),
+            }) + "\n")
+            self._log.flush()
+        if status is None:
+            await asyncio.sleep(3600)
+        return status, extra
+
+    async def _chaos(self, writer: asyncio.StreamWriter) -> int | None:
+        kind = self._random.choice(["500", "slow", "reset", "hang"])
+        if kind == "slow":
+            await asyncio.sleep(self._random.uniform(0.5, 3.0))
+            return 200
+        if kind == "reset":
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            raise ConnectionError("reset on purpose")
+        return None if kind == "hang" else 500
+
+
+async def serve(receiver: Receiver, port: int = 0, ssl_context: ssl.SSLContext | None = None) -> asyncio.Server:
+    """Listen on 127.0.0.1:``port`` (0: any free port)."""
+    return await asyncio.start_server(receiver.handle, "127.0.0.1", port, backlog=1024, ssl=ssl_context)
