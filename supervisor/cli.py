@@ -104,13 +104,14 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
-    from supervisor.daemon import Daemon
+    from supervisor.daemon import Daemon, event_loop_factory
     from supervisor.logs import configure_logging
     from supervisor.outage import DatabaseUnavailable
 
     configure_logging(settings.log_format)
     try:
-        asyncio.run(Daemon(settings).run())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(Daemon(settings).run())
     except DatabaseUnavailable as exc:
         raise UserError(str(exc)) from None
     return 0

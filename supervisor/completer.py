@@ -262,7 +262,7 @@ class Completer:
             elif completion.state == "dead":
                 metrics.deliveries.labels(outcome="dead", **labels).inc()
                 metrics.dead_letters.labels(reason=completion.dead_reason).inc()
-            if completion.state in ("delivered", "dead"):
-                self._log.info(f"message.{completion.state}", message_id=m.id, tenant_id=m.tenant_id,
-                               idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
-                               reason=completion.dead_reason)
+            if completion.state == "dead":  # a delivery is logged once, by the attempt line (sinks)
+                self._log.warning("message.dead", message_id=m.id, tenant_id=m.tenant_id,
+                                  idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
+                                  reason=completion.dead_reason)
