@@ -48,6 +48,7 @@ class Options:
     origins: int = 8
     tls: bool = True
     json: bool = False
+    peer: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
@@ -59,13 +60,16 @@ class Options:
         options = cls(int(getattr(args, "messages", 3000)), float(getattr(args, "rate", 200.0)),
                       float(getattr(args, "duration", 10.0)), int(getattr(args, "scale_rows", 1_000_000)),
                       levels, int(getattr(args, "shared_tenants", 100)), int(getattr(args, "origins", 8)),
-                      not bool(getattr(args, "plain_http", False)), bool(getattr(args, "json", False)))
+                      not bool(getattr(args, "plain_http", False)), bool(getattr(args, "json", False)),
+                      getattr(args, "peer", None))
         if options.messages < 1 or not levels or min(levels) < 1:
             raise BenchUsageError("--messages and every --bare-concurrency level must be at least 1")
         if options.rate <= 0 or options.duration <= 0:
             raise BenchUsageError("--rate and --duration must be positive")
         if options.scale_rows < 1 or options.shared_tenants < 1 or options.origins < 1:
             raise BenchUsageError("--scale-rows, --shared-tenants and --origins must be at least 1")
+        if options.peer not in (None, "adcp"):
+            raise BenchUsageError(f"--peer must be adcp, got {options.peer!r}")
         return options
 
     @property

@@ -139,6 +139,10 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"  {'adcp PgTaskWebhookOutbox':26}{peer['deliveries_per_s']:>8.1f}"
                      f"{peer['deliveries_per_s'] / bare['requests_per_s'] if bare else 0:>7.2f}"
                      f"{peer['cpu_s_per_1000']:>7.2f}{peer['postgres_cpu_s_per_1000']:>7.2f}")
+        one = ph.get("throughput_one_origin")
+        if one is not None:
+            lines.append(f"  outboxd (one origin) / adcp SDK = {one['deliveries_per_s'] / peer['deliveries_per_s']:.1f}x "
+                         "deliveries/s, both with their defaults, same receiver, same run")
     for key in sorted((k for k in ph if k.startswith("bare_c")), key=lambda k: (ph[k]["concurrency"], k)):
         r = ph[key]
         label = f"bare httpx c={r['concurrency']}{' (2nd)' if key.endswith('again') else ''}"

@@ -14,6 +14,7 @@ from typing import Any
 
 from outboxd_bench import phases
 from outboxd_bench.harness import Bench, Options
+from outboxd_bench.peer import phase_peer
 from outboxd_bench.procs import BenchUsageError, PhaseError
 from outboxd_bench.report import figures, machine_info, render_table, targets
 from outboxd_bench.scale import phase_scale
@@ -30,6 +31,8 @@ def plan(bench: Bench) -> list[Phase]:
              lambda c=c: phases.phase_bare(bench, c)) for c in o.bare_concurrency]
     again = [(f"{key}_again", f"{title} (again)", run) for key, title, run in bare]
     main, many = bench.main, bench.many
+    peer: list[Phase] = [("peer_adcp", f"adcp PgTaskWebhookOutbox (defaults) drains {o.messages}",
+                          lambda: phase_peer(bench))] if o.peer == "adcp" else []
     return [
         *bare,
         ("throughput_one_origin", f"one daemon drains {o.messages} to one origin",
@@ -40,6 +43,7 @@ def plan(bench: Bench) -> list[Phase]:
          lambda: phases.phase_throughput(bench, phases.many_origins(bench), many, tag="many")),
         ("throughput_two_daemons", f"two daemons drain {o.messages} to one origin",
          lambda: phases.phase_throughput(bench, phases.one_origin(bench), main, daemons=2, tag="two")),
+        *peer,
         *again,
         ("latency_healthy", f"latency at {o.rate:g}/s for {o.duration:g} s",
          lambda: phases.phase_latency(bench, hang=False)),
@@ -64,7 +68,7 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
     bench = Bench(settings, options, progress)
     report: dict[str, Any] = {
         "options": {k: getattr(options, k) for k in ("messages", "rate", "duration", "scale_rows", "bare_concurrency",
-                                                     "shared_tenants", "origins", "tls")},
+                                                     "shared_tenants", "origins", "tls", "peer")},
         "settings": {k: getattr(settings, k) for k in ("concurrency", "endpoint_concurrency", "claim_batch",
                                                        "poll_interval_seconds")},
         "receiver": {"path": "/ok", "verifies_signatures": False}, "phases": {}, "errors": {}}

@@ -369,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tenants of the shared-origin case, all on one receiver origin (default 100)")
     p.add_argument("--origins", type=int, default=8, help="receiver origins of the many-origins case (default 8)")
     p.add_argument("--plain-http", action="store_true", help="run over plain HTTP instead of HTTPS")
+    p.add_argument("--peer", choices=["adcp"], help="also run the adcp SDK's PgTaskWebhookOutbox (defaults) "
+                                                    "against the same receiver and print the ratio")
     p.add_argument("--scale-rows", type=int, default=1_000_000, help="delivered rows for the scale check")
     json_flag(p)
     p = add("status", "Counts by state, oldest due message, open breakers, dead by reason, top backlogs.",
