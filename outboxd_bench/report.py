@@ -71,7 +71,9 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         "latency_p50_ms": healthy["p50_ms"], "latency_p95_ms": healthy["p95_ms"], "latency_p99_ms": healthy["p99_ms"],
         "isolation_healthy_p99_ms": iso["p99_ms"], "isolation_p99_ratio": round(iso["p99_ms"] / healthy["p99_ms"], 3),
         "claim_ms_empty": scale["empty"]["execution_ms"], "claim_ms_scaled": scale["scaled"]["execution_ms"],
-        "claim_time_ratio": scale["time_ratio"], "rss_mb_10k_due": rss["peak_rss_mb"],
+        "claim_time_ratio": scale["time_ratio"], "gauges_ms_empty": scale["empty"]["gauges_ms"],
+        "gauges_ms_scaled": scale["scaled"]["gauges_ms"], "gauges_time_ratio": scale["gauges_ratio"],
+        "rss_mb_10k_due": rss["peak_rss_mb"],
     })
     if "peer_adcp" in ph:
         out["peer_adcp_deliveries_per_s"] = ph["peer_adcp"]["deliveries_per_s"]
@@ -102,6 +104,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
          f["isolation_p99_ratio"] <= 2.0),
         (f"claim time within +-20% with {o['scale_rows']:,} delivered rows", f["claim_time_ratio"], "0.8..1.2",
          0.8 <= f["claim_time_ratio"] <= 1.2),
+        (f"gauge queries within +-20% with {o['scale_rows']:,} delivered rows", f["gauges_time_ratio"], "0.8..1.2",
+         0.8 <= f["gauges_time_ratio"] <= 1.2),
         ("claim plan uses outbox_messages_due_idx (empty and scaled)",
          f"{ph['scale']['empty']['uses_due_idx']}/{ph['scale']['scaled']['uses_due_idx']}", "True/True",
          ph["scale"]["empty"]["uses_due_idx"] and ph["scale"]["scaled"]["uses_due_idx"]),
@@ -166,11 +170,13 @@ def render_table(report: dict[str, Any]) -> str:
     if scale is not None:
         lines.append(f"SCALE: claim statement (outbox/store.py), LIMIT {scale['empty']['limit']}, "
                      f"{scale['empty']['due_rows']} due rows, median")
-        lines.append(f"  {'':26}{'exec ms':>9}{'plan ms':>9}{'client ms':>11}{'buffers':>9}{'table MB':>10}  due_idx")
+        lines.append(f"  {'':26}{'exec ms':>9}{'plan ms':>9}{'client ms':>11}{'buffers':>9}{'table MB':>10}"
+                     f"{'gauges ms':>10}  due_idx")
         for label, key in (("empty history", "empty"), (f"{o['scale_rows']:,} delivered", "scaled")):
             r = scale[key]
             lines.append(f"  {label:26}{r['execution_ms']:>9.3f}{r['planning_ms']:>9.3f}{r['client_wall_ms']:>11.3f}"
-                         f"{r['shared_buffers_hit']:>9}{r['table_mb']:>10.1f}  {'yes' if r['uses_due_idx'] else 'NO'}")
+                         f"{r['shared_buffers_hit']:>9}{r['table_mb']:>10.1f}{r['gauges_ms']:>10.3f}"
+                         f"  {'yes' if r['uses_due_idx'] else 'NO'}")
         lines.append("")
     rss = ph.get("rss_10k_due")
     if rss is not None:

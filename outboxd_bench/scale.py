@@ -1,8 +1,9 @@
-"""The scale check: the daemon's claim statement with ``--scale-rows`` finished rows in the
-table vs none, by ``EXPLAIN (ANALYZE, BUFFERS)`` and timed from the client.
+"""The scale check: the daemon's claim statement and the gauge sampler's queries with
+``--scale-rows`` finished rows in the table vs none, by ``EXPLAIN (ANALYZE, BUFFERS)`` and
+the claim also timed from the client.
 
-The claim reads the partial index of pending rows (``outbox_messages_due_idx``), so its cost
-must not grow with history; the plan says whether it still does, the times how much.
+Both read partial indexes of live rows (``outbox_messages_due_idx`` and the lease index), so
+their cost must not grow with history; the plan says whether it still does, the times how much.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SCALE_DUE_ROWS = 1_000  # pending rows present in both cases, so the claim has w
 SCALE_REPEATS = 31
 SCALE_WARMUP = 3
 SCALE_TIMEOUT = 900.0  # seconds for inserting the history rows (statement_timeout)
+GAUGE_STATEMENTS = ("live_counts", "next_due")  # what the 15 s gauge sampler runs (supervisor/maintenance.py)
 
 
 def phase_scale(bench: Bench) -> dict[str, Any]:
@@ -28,14 +30,15 @@ def phase_scale(bench: Bench) -> dict[str, Any]:
     scaled = _claim_case(bench, bench.options.scale_rows)
     after = _claim_case(bench, 0)
     empty = dict(before)
-    for key in ("execution_ms", "planning_ms", "client_wall_ms"):
+    for key in ("execution_ms", "planning_ms", "client_wall_ms", "gauges_ms"):
         samples = before.pop(f"{key}_samples") + after.pop(f"{key}_samples")
         empty[key] = round(statistics.median(samples), 3)
         empty.pop(f"{key}_samples", None)
         scaled.pop(f"{key}_samples")
     empty["execution_ms_before_after"] = [before["execution_ms"], after["execution_ms"]]
     return {"empty": empty, "scaled": scaled,
-            "time_ratio": round(scaled["execution_ms"] / max(empty["execution_ms"], 1e-6), 3)}
+            "time_ratio": round(scaled["execution_ms"] / max(empty["execution_ms"], 1e-6), 3),
+            "gauges_ratio": round(scaled["gauges_ms"] / max(empty["gauges_ms"], 1e-6), 3)}
 
 
 def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
@@ -61,10 +64,13 @@ def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
             pass
         size = conn.execute(text("SELECT pg_total_relation_size('outbox_messages')")).scalar_one()
     executions, plannings, walls, buffers, plan = [], [], [], [], ""
+    gauges: list[float] = []
     for i in range(SCALE_WARMUP + SCALE_REPEATS):
-        execution, planning, lines = _explain_claim(bench)
+        execution, planning, lines = _explain(bench, "claim", _claim_params(bench))
         wall = _timed_claim(bench)
+        gauge_ms = sum(_explain(bench, name, {})[0] for name in GAUGE_STATEMENTS)
         if i >= SCALE_WARMUP:
+            gauges.append(gauge_ms)
             executions.append(execution)
             plannings.append(planning)
             walls.append(wall)
@@ -78,6 +84,7 @@ def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
         "client_wall_ms": round(statistics.median(walls), 3),
         "execution_ms_samples": executions, "planning_ms_samples": plannings, "client_wall_ms_samples": walls,
         "shared_buffers_hit": int(statistics.median(buffers)),
+        "gauges_ms": round(statistics.median(gauges), 3), "gauges_ms_samples": gauges,
         "uses_due_idx": "outbox_messages_due_idx" in plan, "plan": plan,
         "insert_seconds": round(insert_seconds, 1), "table_mb": round(size / 1e6, 1),
     }
@@ -92,17 +99,17 @@ def _claim_params(bench: Bench) -> dict[str, Any]:
             "token": uuid.uuid4().hex, "busy": []}
 
 
-def _explain_claim(bench: Bench) -> tuple[float, float, list[str]]:
-    """EXPLAIN (ANALYZE, BUFFERS) of the daemon's claim, in a transaction rolled back."""
+def _explain(bench: Bench, name: str, params: dict[str, Any]) -> tuple[float, float, list[str]]:
+    """EXPLAIN (ANALYZE, BUFFERS) of one of the daemon's statements, in a transaction rolled back."""
     from sqlalchemy import text
 
     from outbox.store import _STATEMENTS
 
-    claim = _STATEMENTS[True].claim  # the very statement the daemon runs, with its bind types
-    statement = text("EXPLAIN (ANALYZE, BUFFERS) " + claim.text).bindparams(*claim._bindparams.values())
+    daemon_sql = getattr(_STATEMENTS[True], name)  # the very statement the daemon runs, with its bind types
+    statement = text("EXPLAIN (ANALYZE, BUFFERS) " + daemon_sql.text).bindparams(*daemon_sql._bindparams.values())
     with bench.engine.connect() as conn:
         with conn.begin() as txn:
-            lines = [row[0] for row in conn.execute(statement, _claim_params(bench))]
+            lines = [row[0] for row in conn.execute(statement, params)]
             txn.rollback()
     found = {m.group(1): float(m.group(2)) for m in
              (re.match(r"(Execution|Planning) Time: ([\d.]+) ms", ln) for ln in lines) if m}
