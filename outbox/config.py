@@ -8,17 +8,25 @@ the retry horizon and the destination policy.
 from __future__ import annotations
 
 import base64
+import difflib
 import ipaddress
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+import warnings
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from outbox.errors import ConfigurationError
 
 ENV_PREFIX = "OUTBOX_"
-MIN_HORIZON = 86_400  # adcp-webhooks.md §4.1: delivery_retry_horizon_seconds 86400..604800
+# OUTBOX_ variables that are not settings but are read all the same.
+OTHER_VARIABLES = frozenset({"OUTBOX_CONFIG"})
+# Settings never printed in clear (``outboxd config``); the database URL loses its password.
+SECRET_SETTINGS = frozenset({"encryption_key", "ui_token"})
+MASK = "****"
+# docs/protocol.md, "Retry horizon": delivery_retry_horizon_seconds is 86400..604800.
+MIN_HORIZON = 86_400
 MAX_HORIZON = 604_800
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -62,6 +70,8 @@ class Settings:
     tls_ca_dir: str | None = None
     tls_trust: str = "certifi"
     log_format: str = "auto"  # auto | json | console
+    ui_addr: str = "127.0.0.1:8465"  # `outboxd ui`: loopback unless the operator says otherwise
+    ui_token: str | None = None  # `outboxd ui`: the token for signing in; generated when unset
 
     def __post_init__(self) -> None:
         if not MIN_HORIZON <= self.retry_horizon_seconds <= MAX_HORIZON:
@@ -124,6 +134,23 @@ def _parse_encryption_key(raw: Any) -> bytes:
     return key
 
 
+def _parse_tenant_keys(raw: Any) -> dict[str, tuple[str, str]]:
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError("tenant_signing_keys must be a TOML table of tenant = {file, key_id}")
+    keys = {}
+    for tenant, entry in raw.items():
+        where = f"[outbox.tenant_signing_keys] {tenant!r}"
+        if not isinstance(entry, Mapping):
+            raise ConfigurationError(f"{where} must be a table {{file = \"...\", key_id = \"...\"}}, got {entry!r}")
+        missing = [k for k in ("file", "key_id") if not isinstance(entry.get(k), str) or not entry.get(k)]
+        unknown = sorted(set(entry) - {"file", "key_id"})
+        if missing or unknown:
+            raise ConfigurationError(f"{where}: " + "; ".join(
+                [f"needs {k} (a string)" for k in missing] + [f"unknown key {k!r}" for k in unknown]))
+        keys[str(tenant)] = (entry["file"], entry["key_id"])
+    return keys
+
+
 def _coerce(name: str, annotation: str, raw: Any) -> Any:
     if name == "allowed_cidrs":
         return _parse_cidrs(raw)
@@ -133,9 +160,7 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         return tuple(s.strip() for s in items if str(s).strip())
     if name == "tenant_signing_keys":
-        if not isinstance(raw, Mapping):
-            raise ConfigurationError("tenant_signing_keys must be a TOML table of {file, key_id}")
-        return {t: (str(v["file"]), str(v["key_id"])) for t, v in raw.items()}
+        return _parse_tenant_keys(raw)
     try:
         if annotation.startswith("bool"):
             return _parse_bool(name, raw)
@@ -180,8 +205,51 @@ def load_settings(
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None and name != "tenant_signing_keys":
             values[name] = _coerce(name, annotation, raw)
+    for message in unknown_variables(env):
+        warnings.warn(message, ConfigurationWarning, stacklevel=2)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**values)
+
+
+class ConfigurationWarning(UserWarning):
+    """A setting that is probably a mistake but not worth refusing to start over."""
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """One warning per ``OUTBOX_*`` variable that is no setting, with the likely intended name.
+
+    Warned, not refused (unlike a TOML typo): the environment is shared with the seller's
+    own programs and assembled from many sources, so an ``OUTBOX_`` name outboxd does not
+    own must not stop a daemon from starting; a file given to outboxd is outboxd's alone.
+    """
+    valid = {ENV_PREFIX + f.name.upper() for f in fields(Settings) if f.name != "tenant_signing_keys"}
+    valid |= OTHER_VARIABLES
+    messages = []
+    for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in valid):
+        close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        messages.append(f"{name} is not an outboxd setting and is ignored{hint}")
+    return messages
+
+
+def effective(settings: Settings) -> dict[str, Any]:
+    """Every setting as ``outboxd config`` prints it: secrets masked, values in their TOML form."""
+    from sqlalchemy.engine import make_url
+
+    shown: dict[str, Any] = {}
+    for name, value in asdict(settings).items():
+        if name in SECRET_SETTINGS:
+            value = MASK if value else None
+        elif name == "database_url":
+            value = make_url(value).render_as_string(hide_password=True)
+        elif name == "allowed_cidrs":
+            value = [str(n) for n in value]
+        elif name == "tenant_signing_keys":
+            value = {t: {"file": f, "key_id": k} for t, (f, k) in value.items()}
+        elif isinstance(value, tuple):
+            value = list(value)
+        shown[name] = value
+    return shown
 
 
 def with_overrides(settings: Settings, **changes: Any) -> Settings:

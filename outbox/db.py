@@ -3,7 +3,7 @@
 SQLite is shared by two processes (the seller's app and the daemon), so every SQLite
 connection gets WAL, a busy timeout and ``BEGIN IMMEDIATE`` write transactions: a reader
 never blocks the writer, and two writers queue instead of failing with "database is locked"
-half-way through a transaction (DESIGN.md, "The hard parts").
+half-way through a transaction (docs/architecture.md, "SQLite").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ class OutboxValidationError(ValueError):
 
 
 class IdempotencyConflictError(OutboxValidationError):
-    """An ``idempotency_key`` already bound to different bytes (adcp-webhooks.md §1.4).
+    """An ``idempotency_key`` already bound to different bytes (docs/protocol.md "Idempotency").
 
     AdCP binds a delivery key immutably to its first payload for the whole retry horizon;
     a changed payload needs a fresh key.

@@ -8,13 +8,19 @@ the two histories independent.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine
+from alembic.util.exc import CommandError
+from sqlalchemy import Connection, Engine, inspect, select
+
+from outbox.errors import ConfigurationError
+from outbox.schema import schema_compat
 
 VERSION_TABLE = "outbox_alembic_version"
 
@@ -27,10 +33,21 @@ def alembic_config(connection: Connection | None = None) -> Config:
     return config
 
 
+@lru_cache(maxsize=1)
+def _script() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config())
+
+
 def head_revision() -> str:
-    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    """The newest revision this release ships (the schema its code is written against)."""
+    head = _script().get_current_head()
     assert head is not None
     return head
+
+
+def known_revisions() -> frozenset[str]:
+    """Every revision this release ships: the head and all its ancestors."""
+    return frozenset(r.revision for r in _script().walk_revisions())
 
 
 def current_revision(connection: Connection) -> str | None:
@@ -38,13 +55,67 @@ def current_revision(connection: Connection) -> str | None:
 
 
 def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
-    """Upgrade the outbox tables to ``revision``; return (revision before, revision after)."""
+    """Upgrade the outbox tables to ``revision``; return (revision before, revision after).
+
+    A database already ahead of this release is left as it is (a rolling upgrade's newer
+    release migrated it): ``before == after`` then. An unknown ``revision`` is a
+    :class:`ConfigurationError`.
+    """
     with engine.begin() as connection:
         before = current_revision(connection)
-        command.upgrade(alembic_config(connection), revision)
+        if before is not None and before not in known_revisions():
+            return before, before
+        try:
+            command.upgrade(alembic_config(connection), revision)
+        except CommandError as exc:
+            raise ConfigurationError(f"--revision {revision!r}: {exc}") from None
         return before, current_revision(connection) or ""
 
 
-def is_current(connection: Connection) -> bool:
-    """Whether the database is at the head revision (the ``/readyz`` check)."""
-    return current_revision(connection) == head_revision()
+def record_min_reader(revision: str, min_reader_revision: str) -> None:
+    """Called from a migration's ``upgrade()``: the oldest code revision that may run on it.
+
+    The compatibility rule (docs/architecture.md, "Rolling upgrades"): migrations are
+    additive, so code at ``min_reader_revision`` or later keeps working on a database at
+    ``revision``. A migration that breaks older readers records its own revision.
+    """
+    from alembic import op
+
+    op.bulk_insert(schema_compat, [{"revision": revision, "min_reader_revision": min_reader_revision}])
+
+
+@dataclass(frozen=True)
+class SchemaCheck:
+    """How the database's schema relates to this release's code."""
+
+    database: str | None
+    code: str
+    verdict: str  # current | ahead (compatible) | behind | incompatible
+
+    @property
+    def usable(self) -> bool:
+        return self.verdict in ("current", "ahead")
+
+    def problem(self) -> str | None:
+        """One line for ``/readyz`` and the log, or ``None`` when the daemon may run."""
+        if self.verdict == "behind":
+            return (f"database schema is at {self.database or 'nothing'}, this outboxd needs {self.code}: "
+                    "waiting for `outboxd migrate`")
+        if self.verdict == "incompatible":
+            return (f"database schema is at {self.database}, newer than this outboxd ({self.code}) can read: "
+                    "upgrade outboxd")
+        return None
+
+
+def check_schema(connection: Connection) -> SchemaCheck:
+    """Whether code at :func:`head_revision` may run on this database (see :func:`record_min_reader`)."""
+    database, code = current_revision(connection), head_revision()
+    if database == code:
+        return SchemaCheck(database, code, "current")
+    if database is None or database in known_revisions():
+        return SchemaCheck(database, code, "behind")
+    min_reader = None
+    if inspect(connection).has_table(schema_compat.name):
+        min_reader = connection.execute(select(schema_compat.c.min_reader_revision)
+                                        .where(schema_compat.c.revision == database)).scalar()
+    return SchemaCheck(database, code, "ahead" if min_reader in known_revisions() else "incompatible")

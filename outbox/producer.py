@@ -2,7 +2,7 @@
 
 Everything is validated and rendered before the first write, so a rejected call leaves the
 caller's transaction untouched. The body is serialized exactly once, here, and those bytes
-are what every attempt and every replay will POST (DESIGN.md principle 2). Nothing here
+are what every attempt and every replay will POST (docs/architecture.md, "Exact bytes"). Nothing here
 commits: the message exists if and only if the seller's transaction commits.
 """
 
@@ -108,7 +108,7 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
             raise OutboxValidationError(f"{field}.token", "must be a string of 16 to 4096 characters")
     operation_id = config.get("operation_id")
     if require_operation_id or operation_id is not None:
-        # adcp-webhooks.md §1.1: echoed verbatim, never derived from the URL.
+        # docs/protocol.md "Webhook bodies": echoed verbatim, never derived from the URL.
         _check_string(operation_id, f"{field}.operation_id", protocol.OPERATION_ID_RE)
     auth_mode, credentials = "rfc9421", None
     authentication = config.get("authentication")
@@ -135,7 +135,7 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
 
 def _idempotency_key(given: str | None) -> str:
     if given is None:
-        return f"whk_{uuid.uuid4()}"  # §1.4: cryptographically random, the SDK's format
+        return f"whk_{uuid.uuid4()}"  # docs/protocol.md "Idempotency": cryptographically random, the SDK's format
     return _check_string(given, "idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
 
 
@@ -186,7 +186,7 @@ def _store(
     settings: Settings,
     columns: Mapping[str, Any],
 ) -> EnqueuedMessage:
-    """Insert the rendered message, enforcing the immutable key binding (§1.4)."""
+    """Insert the rendered message, enforcing the immutable key binding (docs/protocol.md "Idempotency")."""
     secret = None
     if registration.credentials is not None:
         assert settings.encryption_key is not None
@@ -229,7 +229,7 @@ def _horizon(horizon_seconds: Any) -> int | None:
         return None
     if not isinstance(horizon_seconds, int) or isinstance(horizon_seconds, bool) \
             or not 86_400 <= horizon_seconds <= 604_800:
-        raise OutboxValidationError("horizon_seconds", "must be within 86400..604800 (adcp-webhooks.md §4.1)")
+        raise OutboxValidationError("horizon_seconds", "must be within 86400..604800 (docs/protocol.md, 'Retry horizon')")
     return horizon_seconds
 
 
@@ -250,7 +250,7 @@ def enqueue_task_webhook(
     horizon_seconds: int | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
-    """Enqueue an MCP task-status webhook (adcp-webhooks.md §1.1) in the caller's transaction.
+    """Enqueue an MCP task-status webhook (docs/protocol.md "Webhook bodies") in the caller's transaction.
 
     Call it in the same transaction that moves the task to ``status``; it never commits.
     Terminal statuses get ``notification_id = "<task_id>.terminal"`` unless given.
@@ -306,7 +306,7 @@ def enqueue_delivery_report(
 ) -> EnqueuedMessage:
     """Enqueue a ``media_buy_delivery`` report with the stream's next ``sequence_number``.
 
-    The number is allocated in the caller's transaction (adcp-webhooks.md §5): it starts at
+    The number is allocated in the caller's transaction (docs/protocol.md "Delivery reports"): it starts at
     1, has no gaps, increases in commit order, and a rollback gives it back. The stream
     defaults to tenant + media buy + receiver URL, so each subscriber sees contiguous
     numbers. The stream row stays locked until the caller commits: enqueue reports last.
@@ -365,7 +365,7 @@ def enqueue(
     horizon_seconds: int | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
-    """Enqueue any other AdCP notification body on the same delivery contract (§1.3).
+    """Enqueue any other AdCP notification body on the same delivery contract (docs/protocol.md "Webhook bodies").
 
     ``payload`` is a mapping (its ``idempotency_key`` is set, or minted) or the exact JSON
     bytes to send, which must be an object carrying a valid ``idempotency_key``.
@@ -406,7 +406,7 @@ def _reject_constant(name: str) -> Any:
 def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) != len(pairs):
-        raise ValueError("duplicate object key")  # §1.4: duplicate keys must be rejected
+        raise ValueError("duplicate object key")  # docs/protocol.md "Idempotency": duplicate keys must be rejected
     return result
 
 

@@ -1,4 +1,4 @@
-"""AdCP protocol constants for webhook bodies, each quoted from adcp-webhooks.md.
+"""AdCP protocol constants for webhook bodies (docs/protocol.md, "Webhook bodies").
 
 A spec change is an edit here and nowhere else.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-# §1.1 task-type enum: SPEC main list plus the SDK 3.2.4 additions (the newer wire contract).
+# Task-type enum: the spec's main list plus the SDK 3.2.4 additions (the newer wire contract).
 TASK_TYPES = frozenset(
     """
     create_media_buy update_media_buy buy_products accept_proposal control_media_buy media_buy_delivery
@@ -19,20 +19,20 @@ TASK_TYPES = frozenset(
     get_creative_features sync_principal get_principal sync_reporting_status sync_reporting_receipts
     """.split()
 )
-# §1.1 task-status enum.
+# docs/protocol.md "Webhook bodies" task-status enum.
 TASK_STATUSES = frozenset(
     "submitted working input-required completed canceled failed rejected auth-required unknown".split()
 )
-# §1.1: the SDK's default notification_id "<task_id>.terminal" applies to these.
+# docs/protocol.md "Webhook bodies": the SDK's default notification_id "<task_id>.terminal" applies to these.
 TERMINAL_STATUSES = frozenset({"completed", "failed", "canceled", "rejected"})
-# §5: delivery-report notification types.
+# docs/protocol.md "Delivery reports": delivery-report notification types.
 DELIVERY_NOTIFICATION_TYPES = frozenset({"scheduled", "final", "delayed", "adjusted", "window_update"})
 DELIVERY_TASK_TYPE = "media_buy_delivery"
 
-IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{16,255}$")  # §1.1 idempotency_key pattern
-OPERATION_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")  # §1.1 (push-notification-config)
-NOTIFICATION_ID_RE = OPERATION_ID_RE  # §1.1 notification_id has the same pattern
-TOKEN_LENGTH = (16, 4096)  # §1.1 token, 16..4096 characters
-MIN_LEGACY_CREDENTIAL_LENGTH = 32  # §2.3/§2.4 credentials ≥ 32 characters
-LEGACY_SCHEMES = {"HMAC-SHA256": "hmac", "Bearer": "bearer"}  # §2.3–2.5, enums/auth-scheme.json
-MAX_BODY_BYTES = 1024 * 1024  # §6.4: receivers SHOULD enforce 1 MB; keep bodies under it
+IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{16,255}$")  # idempotency_key pattern
+OPERATION_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")  # push-notification-config
+NOTIFICATION_ID_RE = OPERATION_ID_RE  # docs/protocol.md "Webhook bodies" notification_id has the same pattern
+TOKEN_LENGTH = (16, 4096)  # docs/protocol.md "Webhook bodies" token, 16..4096 characters
+MIN_LEGACY_CREDENTIAL_LENGTH = 32  # docs/protocol.md "Legacy credentials" credentials ≥ 32 characters
+LEGACY_SCHEMES = {"HMAC-SHA256": "hmac", "Bearer": "bearer"}  # enums/auth-scheme.json
+MAX_BODY_BYTES = 1024 * 1024  # receivers SHOULD enforce 1 MB ("Sizes and timeouts")

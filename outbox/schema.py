@@ -2,8 +2,8 @@
 
 Times are stored as Unix epoch seconds (``DOUBLE PRECISION`` / ``REAL``) and always taken
 from the database (:class:`db_now`), never from a daemon's clock: several daemons with
-skewed clocks then agree on leases, due times and horizons (DESIGN.md, "Time comes from
-the database"), and the same arithmetic works on PostgreSQL and SQLite.
+skewed clocks then agree on leases, due times and horizons (docs/architecture.md, "Time
+comes from the database"), and the same arithmetic works on PostgreSQL and SQLite.
 
 The Alembic migrations in ``outbox/migrations`` create these tables; this module is the
 runtime view used by the producer API, the store and the CLI.
@@ -113,7 +113,7 @@ messages = Table(
     ),
     Index("outbox_messages_idempotency_key_key", "idempotency_key", unique=True),
     # The claim path: only what is due is indexed, so millions of delivered rows cost
-    # nothing (outbox-queue-anchors.md §3).
+    # nothing (docs/architecture.md, "The message state machine").
     Index(
         "outbox_messages_due_idx",
         "next_attempt_at",
@@ -138,7 +138,7 @@ attempts = Table(
     Column("id", _Id, primary_key=True, autoincrement=True),
     Column("message_id", BigInteger, nullable=False),
     Column("tenant_id", Text, nullable=False),
-    Column("url", Text, nullable=False),  # without query or fragment (adcp-webhooks.md §6.6)
+    Column("url", Text, nullable=False),  # without query or fragment (docs/protocol.md "Attempt records")
     Column("attempt_number", Integer, nullable=False),
     Column("outcome", Text, nullable=False),
     Column("http_status", Integer),
@@ -178,4 +178,14 @@ breakers = Table(
     Column("updated_at", _Epoch, nullable=False, server_default=db_now()),
     PrimaryKeyConstraint("tenant_id", "origin", name="outbox_breakers_pkey"),
     _enum_check("state", BREAKER_STATES, "outbox_breakers_state_check"),
+)
+
+# One row per migration (from 0006 on): the oldest code revision that can still run on a
+# database at that revision. Lets a daemon one release behind keep delivering during a
+# rolling upgrade (outbox.migrate.check_schema; docs/architecture.md, "Rolling upgrades").
+schema_compat = Table(
+    "outbox_schema_compat",
+    metadata,
+    Column("revision", Text, primary_key=True),
+    Column("min_reader_revision", Text, nullable=False),
 )

@@ -1,4 +1,4 @@
-"""Encryption at rest for the buyer's legacy webhook credentials (adcp-webhooks.md §2.3–2.5).
+"""Encryption at rest for the buyer's legacy webhook credentials (docs/protocol.md "Legacy credentials").
 
 HMAC secrets and Bearer tokens are the buyer's credentials: a database dump must not leak
 them. They are sealed with AES-256-GCM under the operator's ``OUTBOX_ENCRYPTION_KEY`` and

@@ -118,7 +118,7 @@ class _Statements:
                 last_error = 'retry horizon passed'
             WHERE id IN (SELECT id FROM outbox_messages WHERE state = 'pending' AND retry_until <= {now}
                          LIMIT :limit {lock_plain})
-            RETURNING id
+            RETURNING id, tenant_id
         """)
         # A breaker that opens defers its endpoint's backlog; each deferral is a circuit-open
         # skip in the attempt log (same transaction), numbered as the attempt it postpones.
@@ -219,7 +219,7 @@ async def claim(
     """Lease up to ``limit`` due messages in one statement (``FOR UPDATE SKIP LOCKED``).
 
     Messages behind an open breaker, or whose endpoint is at its concurrency limit in this
-    daemon, are left for later. The horizon clock starts at the first claim (§4.1).
+    daemon, are left for later. The horizon clock starts at the first claim (docs/protocol.md "Retry horizon").
     """
     token = uuid.uuid4().hex
     result = await conn.execute(sql(conn).claim, {
@@ -311,8 +311,9 @@ async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> l
     return list(await conn.execute(sql(conn).rescue, {"limit": limit}))
 
 
-async def expire_past_horizon(conn: AsyncConnection, *, limit: int = 500) -> list[int]:
-    return [r.id for r in await conn.execute(sql(conn).expire, {"limit": limit})]
+async def expire_past_horizon(conn: AsyncConnection, *, limit: int = 500) -> list[str]:
+    """End pending messages past their retry horizon as dead ``expired``; their tenants, one per message."""
+    return [r.tenant_id for r in await conn.execute(sql(conn).expire, {"limit": limit})]
 
 
 async def next_due_at(conn: AsyncConnection) -> tuple[float | None, float]:

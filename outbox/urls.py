@@ -2,8 +2,8 @@
 
 One module owns these rules because three places need them identically: enqueue (refuse a
 bad registration before anything is stored), signing (``@target-uri`` and ``@authority``
-must describe the URL actually POSTed, adcp-webhooks.md §2.1) and the daemon's send-time
-SSRF check (§6.5), which re-applies :func:`blocked_reason` to every resolved address.
+must describe the URL actually POSTed, docs/protocol.md "Signing") and the daemon's send-time
+SSRF check (docs/protocol.md "Destinations (SSRF)"), which re-applies :func:`blocked_reason` to every resolved address.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _BAD_CHARS = re.compile(r"[\s\x00-\x1f\x7f]")
 # leaves such a host as it is, so it needs no IDNA processing (the slow part of enqueue).
 _ASCII_HOST = re.compile(r"(?!.*(?:^|\.)xn--)(?:(?!-)[a-z0-9-]{1,63}(?<!-)\.)*(?!-)[a-z0-9-]{1,63}(?<!-)")
 
-# adcp-webhooks.md §6.5: every range the spec and the SDK block, plus the ones Python's
+# docs/protocol.md "Destinations (SSRF)": every range the spec and the SDK block, plus the ones Python's
 # ``ipaddress`` flags. Cloud metadata endpoints stay blocked even inside an allowed CIDR.
 _BLOCKED_NETWORKS: tuple[tuple[Network, str], ...] = tuple(
     (ipaddress.ip_network(net), why)
@@ -127,7 +127,7 @@ def _canonical_host(host: str) -> str:
 
 
 def canonicalize_url(url: str) -> str:
-    """The AdCP canonical form of a webhook URL (adcp-webhooks.md §2.1 ``@target-uri``).
+    """The AdCP canonical form of a webhook URL (docs/protocol.md "Signing" ``@target-uri``).
 
     Lowercase scheme and host, UTS-46 IDN, default port and one trailing dot stripped,
     percent-escapes uppercased, an empty path made ``/``, the query kept byte for byte.
@@ -159,7 +159,7 @@ def origin(canonical_url: str) -> str:
 
 
 def without_query(url: str) -> str:
-    """The URL fit for logs and the activity record: no query, no fragment (§6.6)."""
+    """The URL fit for logs and the activity record: no query, no fragment (docs/protocol.md "Attempt records")."""
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
 
@@ -172,7 +172,7 @@ def validate_destination(
 ) -> str:
     """Check a buyer-supplied webhook URL before it is stored; return its canonical form.
 
-    Registration-time half of adcp-webhooks.md §6.5: absolute ``https`` (``http`` only when
+    Registration-time half of docs/protocol.md "Destinations (SSRF)": absolute ``https`` (``http`` only when
     the operator allows it), no userinfo, no fragment, and no IP-literal host in a blocked
     range. Host names are resolved and re-checked by the daemon at send time.
     """

@@ -45,7 +45,7 @@ def library_verifier(public_jwks: dict[str, Any]) -> Verifier:
         kid = sig_input.split('keyid="', 1)[-1].split('"', 1)[0]
         if kid not in keys:
             return "webhook_signature_key_unknown"
-        # AdCP webhook v1 sends Signature as unpadded base64url (adcp-webhooks.md §2.1);
+        # AdCP webhook v1 sends Signature as unpadded base64url (docs/protocol.md, "Signing");
         # RFC 8941 byte sequences are padded standard base64: translate before verifying.
         label, _, value = headers.get("signature", "").partition("=")
         raw = _b64(value.strip(":"))

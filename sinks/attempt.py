@@ -1,7 +1,7 @@
 """The attempt record, named and shaped like the ``adcp`` SDK's ``DeliveryAttempt``.
 
 It carries the fields of the SDK record and of AdCP's ``webhook-activity-record``
-(adcp-webhooks.md §6.6), so a buyer-facing activity log can be served straight from it.
+(docs/protocol.md "Attempt records"), so a buyer-facing activity log can be served straight from it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
-# §6.6 status values, plus what only a durable outbox can observe.
+# docs/protocol.md "Attempt records" status values, plus what only a durable outbox can observe.
 OUTCOMES = ("success", "failed", "timeout", "connection_error", "circuit_open", "abandoned")
 
 
@@ -19,7 +19,7 @@ class DeliveryAttempt:
 
     message_id: int
     tenant_id: str
-    url: str  # without query or fragment (§6.6)
+    url: str  # without query or fragment (docs/protocol.md "Attempt records")
     attempt_number: int  # 1-indexed
     outcome: str  # one of OUTCOMES
     http_status_code: int | None
@@ -29,7 +29,7 @@ class DeliveryAttempt:
     next_retry_at: float | None  # epoch seconds, database clock
     payload_size_bytes: int
     sequence_number: int | None
-    idempotency_key: str  # equals the payload's value (§6.6)
+    idempotency_key: str  # equals the payload's value (docs/protocol.md "Attempt records")
     notification_type: str | None
     trigger: str  # scheduled | replay
     daemon_id: str

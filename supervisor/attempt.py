@@ -75,7 +75,7 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
 def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver) -> dict[str, str]:
     """Transport metadata for this attempt: the only thing that changes between attempts.
 
-    RFC 9421 unless the buyer registered legacy ``authentication`` — never both (§2.5).
+    RFC 9421 unless the buyer registered legacy ``authentication`` — never both (docs/protocol.md "Legacy credentials").
     Raises :class:`SealError` for credentials that do not open and
     :class:`PreparationError` when the daemon lacks a key.
     """

@@ -1,6 +1,6 @@
 """Per-tenant, per-endpoint circuit breakers whose state lives in ``outbox_breakers``.
 
-The state machine is the ``adcp`` SDK's (adcp-webhooks.md §6.3: open after 5 consecutive
+The state machine is the ``adcp`` SDK's (docs/protocol.md "Circuit breakers": open after 5 consecutive
 failures, half-open after 60 s, closed after 2 successes, a half-open failure re-opens),
 made durable and shared by every daemon, with two additions: the open period doubles on
 each consecutive trip up to a cap, and half-open admits one probe at a time (the claim

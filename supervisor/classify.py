@@ -1,19 +1,19 @@
 """What a receiver's answer means: the protocol rules for outcomes, in one place.
 
-Every rule here is quoted back to ``shared/reference/adcp-webhooks.md`` by section, so a
-change in the AdCP spec is one edit in this file:
+Every rule here names the section of docs/protocol.md (and through it the public spec page)
+it implements, so a change in the AdCP spec is one edit in this file:
 
-* which HTTP statuses are delivered, retried or dead (§6.2, §2.6, §6.5, §8 item 4);
-* how a transport failure (timeout, refused connection, SSRF block) is treated (§6.5, §8);
-* how ``Retry-After`` is read (RFC 9110 §10.2.3; the AdCP spec gives it no meaning, §6.2,
+* which HTTP statuses are delivered, retried or dead ("Receiver answers", "Destinations (SSRF)");
+* how a transport failure (timeout, refused connection, SSRF block) is treated ("Destinations (SSRF)");
+* how ``Retry-After`` is read (RFC 9110 §10.2.3; the AdCP spec gives it no meaning, "Receiver answers",
   so we honour it only as a hint for *when* to retry, never for *whether*);
-* how the ``WWW-Authenticate: Signature error="webhook_*"`` code is extracted (§2.6);
-* the retry back-off schedule (§6.1, §4.1).
+* how the ``WWW-Authenticate: Signature error="webhook_*"`` code is extracted ("Receiver answers");
+* the retry back-off schedule ("Retry horizon").
 
 The functions are pure: no I/O, no clock reads (the caller passes ``now``), no logging.
 None of them raises on hostile receiver input; the texts they return (``detail``, the
 signature error code) are short and built from a fixed vocabulary or a sanitized code,
-so they are safe to put in attempt rows, logs and metrics labels (DESIGN.md principle 8).
+so they are safe to put in attempt rows, logs and metrics labels (docs/architecture.md, "Failure isolation").
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Verdict:
     ``reason`` is set only when ``action == "dead"``: one of ``conflict``,
     ``signature_rejected``, ``gone``, ``rejected``, ``blocked`` (the message-level reasons
     ``expired`` and ``invalid`` are decided elsewhere, not from a response).
-    ``outcome`` is the per-attempt ``status`` of the webhook-activity-record (§6.6):
+    ``outcome`` is the per-attempt ``status`` of the webhook-activity-record (docs/protocol.md "Attempt records"):
     ``success`` | ``failed`` | ``timeout`` | ``connection_error``.
     ``retry_after`` is the receiver's ``Retry-After`` in seconds, already capped; it is set
     only on ``retry`` verdicts. The scheduler should wait at least that long (and at least
@@ -158,7 +158,7 @@ _WEBHOOK_PREFIX = "webhook_"
 def signature_error_code(www_authenticate: str | None) -> str | None:
     """The ``error="webhook_..."`` code of a ``Signature`` challenge, or ``None``.
 
-    §2.6: receivers answer verification failures with ``401`` and
+    docs/protocol.md "Receiver answers": receivers answer verification failures with ``401`` and
     ``WWW-Authenticate: Signature error="<code>"``; only codes starting with ``webhook_``
     count. Tolerates any case for the scheme and parameter name, extra spacing, quoted or
     token values and several challenges in one header (``Bearer realm="x", Signature
@@ -245,7 +245,7 @@ def _quoted(text: str, i: int) -> tuple[str, int]:
 
 # --------------------------------------------------------------------------- classification
 
-# §6.2 / §8 item 4: retried even though they are 4xx — 408 Request Timeout, 425 Too Early,
+# docs/protocol.md "Receiver answers": retried even though they are 4xx — 408 Request Timeout, 425 Too Early,
 # 429 (the receiver's dedup bound: "retry later"). The SDK uses the same set.
 _RETRYABLE_4XX = frozenset({408, 425, 429})
 
@@ -262,21 +262,21 @@ def _dead(reason: str, detail: str) -> Verdict:
 def classify_response(
     status: int, headers: Mapping[str, str], *, now: float, retry_after_cap: float
 ) -> Verdict:
-    """Decide what an HTTP answer means for the message (§6.2, §2.6).
+    """Decide what an HTTP answer means for the message (docs/protocol.md "Receiver answers").
 
     ======================  ==========================================================
     2xx                     delivered — a durably completed duplicate also answers 2xx
-                            (§1.5, §6.2)
-    409                     dead ``conflict`` — same key, different payload: stop (§6.2)
-    401 + ``Signature       dead ``signature_rejected`` — terminal for this delivery (§2.6)
+                            ("Idempotency", "Receiver answers")
+    409                     dead ``conflict`` — same key, different payload: stop ("Receiver answers")
+    401 + ``Signature       dead ``signature_rejected`` — terminal for this delivery ("Receiver answers")
     error="webhook_*"``
-    410                     dead ``gone`` — the SDK's reading; the spec is silent (§6.2)
-    3xx                     dead ``rejected`` — redirects are never followed (§6.5 item 4)
-    408, 425, 429, 5xx      retry (§6.2: 503 = identical delivery in progress, 429 = dedup
+    410                     dead ``gone`` — the SDK's reading; the spec is silent ("Receiver answers")
+    3xx                     dead ``rejected`` — redirects are never followed ("Destinations (SSRF)")
+    408, 425, 429, 5xx      retry ("Receiver answers": 503 = identical delivery in progress, 429 = dedup
                             bound)
     plain 401, 403          retry — persistent channels: "SHOULD be treated as transient
-                            and retried ... without auto-disabling" (§2.6, §9 item 3)
-    other 4xx               dead ``rejected`` (§8 item 4; includes 413, §6.4)
+                            and retried ... without auto-disabling" ("Receiver answers")
+    other 4xx               dead ``rejected`` (includes 413, "Sizes and timeouts")
     anything else           retry as ``failed`` (1xx final status, >599: not a verdict)
     ======================  ==========================================================
 
@@ -287,7 +287,7 @@ def classify_response(
     if 200 <= status <= 299:
         return Verdict("delivered", None, "success", None, detail)
     if 300 <= status <= 399:
-        # §6.5 item 4 "Refuse redirects"; the SDK treats 3xx as permanent (§6.2).
+        # docs/protocol.md "Destinations (SSRF)"; the SDK treats 3xx as permanent (docs/protocol.md "Receiver answers").
         return _dead("rejected", f"{detail} redirect not followed")
     if status == 409:
         return _dead("conflict", detail)
@@ -298,11 +298,11 @@ def classify_response(
         if code is not None:
             detail = f"{detail} {code}"
             if status == 401:
-                # §2.6: "MUST treat a 401 carrying WWW-Authenticate: Signature
+                # docs/protocol.md "Receiver answers": "MUST treat a 401 carrying WWW-Authenticate: Signature
                 # error="webhook_*" as terminal for that delivery".
                 return _dead("signature_rejected", detail)
-        # §2.6 reconciled reading: any other 401 (and 403) is an auth-renewal problem on a
-        # persistent channel — retry per the schedule, bounded by the horizon (§4.1).
+        # docs/protocol.md "Receiver answers": any other 401 (and 403) is an auth-renewal problem on a
+        # persistent channel — retry per the schedule, bounded by the horizon (docs/protocol.md "Retry horizon").
         return _retry(status, headers, now, retry_after_cap, detail)
     if status in _RETRYABLE_4XX or 500 <= status <= 599:
         return _retry(status, headers, now, retry_after_cap, detail)
@@ -314,12 +314,12 @@ def classify_response(
 
 # Kinds the HTTP sender reports when no response was received.
 _TRANSPORT_VERDICTS: dict[str, Verdict] = {
-    # §8 item 4: "5xx / 408 / 425 / 429 / network errors -> retry with backoff".
+    # docs/protocol.md "Receiver answers": "5xx / 408 / 425 / 429 / network errors -> retry with backoff".
     "timeout": Verdict("retry", None, "timeout", None, "timeout"),
     "connection_error": Verdict("retry", None, "connection_error", None, "connection error"),
     "protocol_error": Verdict("retry", None, "connection_error", None, "protocol error"),
-    # §6.5: the destination resolved to a blocked address (or is not allowed at all).
-    # Nothing was sent; retrying cannot help. No address is echoed (§6.5 item 6).
+    # docs/protocol.md "Destinations (SSRF)": the destination resolved to a blocked address (or is not allowed at all).
+    # Nothing was sent; retrying cannot help. No address is echoed (docs/protocol.md "Destinations (SSRF)").
     "blocked": Verdict("dead", "blocked", "connection_error", None, "destination blocked"),
 }
 
@@ -329,7 +329,7 @@ def classify_transport_error(error_kind: str) -> Verdict:
 
     ``"timeout"`` → retry (activity status ``timeout``); ``"connection_error"`` and
     ``"protocol_error"`` → retry (``connection_error``); ``"blocked"`` (SSRF policy refused
-    the destination, §6.5) → dead ``blocked``. An unknown kind is retried as a
+    the destination, docs/protocol.md "Destinations (SSRF)") → dead ``blocked``. An unknown kind is retried as a
     ``connection_error``: at-least-once delivery prefers a resend to a silent drop.
     """
     verdict = _TRANSPORT_VERDICTS.get(error_kind)
@@ -343,12 +343,12 @@ def classify_transport_error(error_kind: str) -> Verdict:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential back-off between attempts of one message (§6.1).
+    """Exponential back-off between attempts of one message (docs/protocol.md "Retry horizon").
 
     The seed SDK's name, with defaults tuned for AdCP: the conformance runner answers 503
-    three times and requires >= 2 deliveries within 90 s (§4.1), so the first retry comes
-    after 2–2.5 s and the fourth attempt lands within ~18 s. The spec gives no numeric
-    schedule (§6.1); the ceiling is the retry horizon (§4.1), enforced by the caller.
+    three times and requires >= 2 deliveries within 90 s ("Retry horizon"), so the first retry
+    comes after 2–2.5 s and the fourth attempt lands within ~18 s. The spec gives no numeric
+    schedule; the ceiling is the retry horizon, enforced by the caller.
 
     Jitter is add-only (up to +25 %): a delay is never shorter than the schedule, so the
     sequence stays non-decreasing and a receiver is never hit earlier than planned.

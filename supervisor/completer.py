@@ -1,8 +1,8 @@
 """Records outcomes in batches: message state, attempt rows and breakers in one transaction.
 
 Outcomes queue up while requests run; one flush per ~20 ms (or per 200 outcomes) writes
-them all, so the database cost per delivery stays small (outbox-queue-anchors.md §0.3), and
-each breaker row is touched at most once per flush (DESIGN.md, "Hot rows"). A flush that
+them all, so the database cost per delivery stays small (docs/architecture.md,
+"Batched completion and hot rows"), and each breaker row is touched at most once per flush. A flush that
 fails because the database is away is retried with the same outcomes: the lease token makes
 the retry apply nothing twice, and attempt rows are written only for messages whose lease
 was still ours. A flush the database refuses while up is split until the refused outcome is
@@ -185,7 +185,7 @@ class Completer:
             next_at = now + max(delay, o.retry_after or 0.0)
             if o.outcome == "abandoned":
                 next_at = now
-            elif next_at >= m.retry_until:  # never send after first attempt + horizon (§4.1)
+            elif next_at >= m.retry_until:  # never send after first attempt + horizon (protocol.md, "Retry horizon")
                 state, reason, next_at = "dead", "expired", None
         completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, o.error)
         if o.action == "release":
@@ -260,9 +260,8 @@ class Completer:
                 metrics.deliveries.labels(outcome="delivered", **labels).inc()
                 metrics.commit_to_delivery.observe(max(now - m.created_at, 0.0))
             elif completion.state == "dead":
-                metrics.deliveries.labels(outcome="dead", **labels).inc()
-                metrics.dead_letters.labels(reason=completion.dead_reason).inc()
-            if completion.state == "dead":  # a delivery is logged once, by the attempt line (sinks)
+                metrics.count_dead(completion.dead_reason, m.tenant_id)
+                # a delivery is logged once, by the attempt line (sinks); a dead message once more
                 self._log.warning("message.dead", message_id=m.id, tenant_id=m.tenant_id,
                                   idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
                                   reason=completion.dead_reason)

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
 from outbox.db import is_postgresql, make_async_engine
-from outbox.migrate import current_revision, head_revision
+from outbox.migrate import SchemaCheck, check_schema
 from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
@@ -57,13 +57,18 @@ def new_daemon_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-async def _schema_problem(engine: AsyncEngine) -> str | None:
-    """Why the daemon must not run on this database yet (``None`` when it may)."""
+SCHEMA_POLL_SECONDS = 5.0
+SCHEMA_LOG_SECONDS = 60.0
+
+
+async def _schema_check(engine: AsyncEngine) -> SchemaCheck:
     async with engine.connect() as conn:
-        revision = await conn.run_sync(current_revision)
-    if revision != head_revision():
-        return f"database schema is at {revision or 'nothing'}, expected {head_revision()}: run `outboxd migrate`"
-    return None
+        return await conn.run_sync(check_schema)
+
+
+async def _schema_problem(engine: AsyncEngine) -> str | None:
+    """Why ``/readyz`` must fail on this database now (``None`` when the daemon may run)."""
+    return (await _schema_check(engine)).problem()
 
 
 class Daemon:
@@ -75,7 +80,7 @@ class Daemon:
         self.engine = make_async_engine(settings.database_url)
         self.keys = KeyResolver(settings)
         self.sender = sender or HttpSender(settings)
-        self.outage = OutageGuard(settings.database_outage_seconds)
+        self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc)
         self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
                                  timeout=settings.sink_timeout_seconds,
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
@@ -97,20 +102,59 @@ class Daemon:
             raise ConfigurationError("no signing key configured: set OUTBOX_SIGNING_KEY_FILE "
                                      "(`outboxd keys generate` makes one)")
 
+    async def wait_for_schema(self, stop: asyncio.Event) -> bool:
+        """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
+
+        Returns ``False`` if asked to stop meanwhile. A database ahead of this release is fine
+        when its recorded minimum reader revision is ours or older (a rolling upgrade); one
+        too new is refused, because waiting cannot help.
+        """
+        logged_at = -SCHEMA_LOG_SECONDS
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                check = await _schema_check(self.engine)
+                self.outage.ok()
+            except Exception as exc:  # the database is down at start: ride it out like any outage
+                await self.outage.failed("check the schema", exc)
+                continue
+            if check.verdict == "incompatible":
+                raise ConfigurationError(check.problem() or "")
+            if check.usable:
+                if check.verdict == "ahead":
+                    self.log.info("schema.ahead", database=check.database, code=check.code)
+                return True
+            if loop.time() - logged_at >= SCHEMA_LOG_SECONDS:
+                self.log.warning("schema.waiting", database=check.database, code=check.code,
+                                 detail=check.problem())
+                logged_at = loop.time()
+            try:
+                await asyncio.wait_for(stop.wait(), SCHEMA_POLL_SECONDS)
+                return False
+            except asyncio.TimeoutError:
+                pass
+
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
         self.check_signing_key()
-        problem = await _schema_problem(self.engine)
-        if problem:
-            raise ConfigurationError(problem)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
-        if self.settings.metrics_addr:
+        if self.settings.metrics_addr:  # up first, so /readyz explains a wait for the schema
             self.metrics_address = await self.health.start(self.settings.metrics_addr)
+        ready = False
+        try:
+            ready = await self.wait_for_schema(stop)
+        finally:
+            if not ready:  # stopped while waiting, or refused: nothing else was started
+                await self.health.close()
+                await self.engine.dispose()
+        if not ready:
+            self.log.info("daemon.stopped")
+            return
         self.fanout.start()
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),

@@ -18,10 +18,10 @@ from supervisor.metrics import Metrics
 READY_CACHE_SECONDS = 2.0
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
+def parse_addr(addr: str, setting: str = "OUTBOX_METRICS_ADDR") -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"OUTBOX_METRICS_ADDR must be host:port, got {addr!r}")
+        raise ValueError(f"{setting} must be host:port, got {addr!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 

@@ -75,12 +75,14 @@ class Maintenance:
             try:
                 rescued = await rescue_once(self._engine, self._daemon_id)
                 if rescued:
+                    self._metrics.lease_rescues.inc(rescued)
                     self._log.warning("leases.rescued", count=rescued)
                 if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn)
+                    for tenant_id in expired:
+                        self._metrics.count_dead("expired", tenant_id)
                     if expired:
-                        self._metrics.dead_letters.labels(reason="expired").inc(len(expired))
                         self._log.warning("messages.expired", count=len(expired))
                 if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:
                     await sample_gauges(self._engine, self._metrics)

@@ -6,7 +6,9 @@ labels on (``OUTBOX_PER_TENANT_METRICS``) for the two per-tenant counters.
 
 from __future__ import annotations
 
+import tomllib
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, PlatformCollector
 
@@ -16,10 +18,15 @@ BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
 
 
 def package_version() -> str:
+    """The installed distribution's version; from a source checkout, pyproject.toml's."""
     try:
         return version("outboxd")
     except PackageNotFoundError:
-        return "unknown"
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        try:
+            return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
 
 
 def status_class(status: int | None) -> str:
@@ -51,6 +58,11 @@ class Metrics:
                                     "How long the oldest due message has been waiting (sampled).", registry=r)
         self.dead_letters = Counter("outbox_dead_letters", "Messages that became dead, by reason.", ["reason"],
                                     registry=r)
+        self.lease_rescues = Counter("outbox_lease_rescues", "Leases taken back from a daemon that died "
+                                     "mid-attempt (each logged as an abandoned attempt).", registry=r)
+        self.database_outages = Counter("outbox_database_outages", "Runs of failed database calls this process "
+                                        "rode out (or died of, past OUTBOX_DATABASE_OUTAGE_SECONDS).",
+                                        registry=r)
         self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
         self.breaker_transitions = Counter("outbox_breaker_transitions", "Circuit breaker state changes.",
                                            ["from_state", "to_state"], registry=r)
@@ -69,3 +81,8 @@ class Metrics:
 
     def tenant_labels(self, tenant_id: str) -> dict[str, str]:
         return {"tenant": tenant_id} if self.per_tenant else {}
+
+    def count_dead(self, reason: str, tenant_id: str) -> None:
+        """One message finished dead: the final-outcome counter and the dead-letter counter agree."""
+        self.deliveries.labels(outcome="dead", **self.tenant_labels(tenant_id)).inc()
+        self.dead_letters.labels(reason=reason).inc()

@@ -6,9 +6,9 @@ layer of flags and printing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Select, and_, delete, func, or_, select, true
@@ -17,8 +17,27 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from outbox import store
 from outbox.producer import decode_body
 from outbox.schema import attempts, breakers, messages
+from outbox.urls import without_query
 
 MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "auth_secret", "lease_token")]
+# Keys whose values are credentials wherever they appear in a payload: the buyer's
+# push-notification token, an authentication object, credentials (docs/protocol.md).
+SECRET_KEYS = frozenset({"token", "authentication", "credentials", "authorization", "secret", "password",
+                         "api_key"})
+REDACTED = "[redacted]"
+
+
+def rfc3339(epoch: float | None) -> str | None:
+    """An epoch time as RFC 3339 in UTC with a ``Z`` (what Svix and Convoy print), to the millisecond."""
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _with_times(data: dict[str, Any]) -> dict[str, Any]:
+    """Every stored time (``*_at``, ``*_until``) of a row as RFC 3339, the rest unchanged."""
+    return {k: rfc3339(v) if k.endswith(("_at", "_until")) and isinstance(v, (int, float)) else v
+            for k, v in data.items()}
 
 
 @dataclass(frozen=True)
@@ -28,12 +47,17 @@ class Filters:
     state: str | None = None
     reason: str | None = None
     tenant: str | None = None
+    key: str | None = None  # idempotency key
     url: str | None = None  # substring of the URL
     since: float | None = None  # created_at >= since (epoch seconds)
     until: float | None = None
     limit: int = 100
 
     def apply(self, query: Select[Any]) -> Select[Any]:
+        """``query`` narrowed to the matching messages, oldest first, at most ``limit``."""
+        return self.where(query).order_by(messages.c.id).limit(self.limit)
+
+    def where(self, query: Select[Any]) -> Select[Any]:
         conditions = []
         if self.state:
             conditions.append(messages.c.state == self.state)
@@ -41,19 +65,21 @@ class Filters:
             conditions.append(messages.c.dead_reason == self.reason)
         if self.tenant:
             conditions.append(messages.c.tenant_id == self.tenant)
+        if self.key:
+            conditions.append(messages.c.idempotency_key == self.key)
         if self.url:
             conditions.append(messages.c.url.contains(self.url, autoescape=True))
         if self.since is not None:
             conditions.append(messages.c.created_at >= self.since)
         if self.until is not None:
             conditions.append(messages.c.created_at < self.until)
-        return query.where(and_(true(), *conditions)).order_by(messages.c.id).limit(self.limit)
+        return query.where(and_(true(), *conditions))
 
 
 def _message(row: Any) -> dict[str, Any]:
     data = {c.name: row._mapping[c.name] for c in MESSAGE_COLUMNS}
-    data["url"] = data["url"].split("?", 1)[0]  # query strings may carry buyer secrets
-    return data
+    data["url"] = without_query(data["url"])  # query strings may carry buyer secrets
+    return _with_times(data)
 
 
 async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
@@ -72,7 +98,7 @@ async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
         "messages": {s: int(counts.get(s, 0)) for s in ("pending", "in_flight", "delivered", "dead")},
         "oldest_due_age_seconds": round(max(now - oldest, 0.0), 3) if oldest is not None and oldest <= now else 0.0,
         "dead_by_reason": {str(k): int(v) for k, v in sorted(dead.items(), key=lambda kv: str(kv[0]))},
-        "open_breakers": [dict(r) for r in open_rows],
+        "open_breakers": [_with_times(dict(r)) for r in open_rows],
         "top_tenants_by_backlog": [{"tenant_id": t, "backlog": int(n)} for t, n in backlog],
     }
 
@@ -80,6 +106,11 @@ async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
 async def list_messages(conn: AsyncConnection, filters: Filters) -> list[dict[str, Any]]:
     rows = await conn.execute(filters.apply(select(*MESSAGE_COLUMNS)))
     return [_message(r) for r in rows]
+
+
+async def count_matching(conn: AsyncConnection, filters: Filters) -> int:
+    """How many messages match ``filters``, ignoring its limit (for "N more matched")."""
+    return int((await conn.execute(filters.where(select(func.count()).select_from(messages)))).scalar_one())
 
 
 async def find(conn: AsyncConnection, ref: str) -> Any | None:
@@ -97,19 +128,32 @@ async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
     data = _message(row)
     body = decode_body(bytes(row.body))
     data["payload_size"] = len(row.body)
-    data["payload"] = _redact(body) if body is not None else None
+    data["payload"] = redact(body) if body is not None else None
     history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
                                  .order_by(attempts.c.attempt_number, attempts.c.id))
-    data["attempts"] = [dict(a._mapping) for a in history]
+    data["attempt_trail"] = [_with_times(dict(a._mapping)) for a in history]
     return data
 
 
-def _redact(body: dict[str, Any]) -> dict[str, Any]:
-    """The stored payload for display, without the buyer's token (§2.4: a credential)."""
-    shown = json.loads(json.dumps(body))
-    if "token" in shown:
-        shown["token"] = "[redacted]"
-    return shown
+def is_secret_key(name: str) -> bool:
+    """Whether a payload key or column name holds a credential (``token``, ``auth_secret``, ...)."""
+    lowered = name.lower()
+    return lowered in SECRET_KEYS or lowered.endswith(("_secret", "_token", "_password", "_credentials"))
+
+
+def redact(value: Any) -> Any:
+    """A payload for display: credentials masked at any depth, URLs without query strings.
+
+    Every view of a body (``outboxd show``, the console) goes through here, so no screen or
+    terminal ever shows a buyer's token or a credential embedded in a URL.
+    """
+    if isinstance(value, dict):
+        return {k: REDACTED if is_secret_key(k) and v is not None else redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return without_query(value)
+    return value
 
 
 async def select_ids(conn: AsyncConnection, filters: Filters) -> list[int]:
@@ -130,7 +174,7 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int]) -> list[d
 
 async def list_breakers(conn: AsyncConnection) -> list[dict[str, Any]]:
     rows = await conn.execute(select(breakers).order_by(breakers.c.tenant_id, breakers.c.origin))
-    return [dict(r) for r in rows.mappings()]
+    return [_with_times(dict(r)) for r in rows.mappings()]
 
 
 async def reset_breaker(conn: AsyncConnection, tenant_id: str, origin: str) -> bool:

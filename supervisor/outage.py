@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -19,8 +20,9 @@ class DatabaseUnavailable(RuntimeError):
 
 
 class OutageGuard:
-    def __init__(self, deadline_seconds: float) -> None:
+    def __init__(self, deadline_seconds: float, on_outage: Callable[[], None] | None = None) -> None:
         self._deadline = deadline_seconds
+        self._on_outage = on_outage  # called once when an outage begins (the metric)
         self._since: float | None = None
         self._failures = 0
         self._log = structlog.get_logger("outboxd.database")
@@ -35,6 +37,8 @@ class OutageGuard:
         now = time.monotonic()
         if self._since is None:
             self._since = now
+            if self._on_outage is not None:
+                self._on_outage()
         self._failures += 1
         elapsed = now - self._since
         if elapsed > self._deadline:

@@ -1,9 +1,9 @@
 """Webhook authentication on the daemon's hot path: RFC 9421 signatures, legacy HMAC, Bearer.
 
-Every attempt is signed afresh (new ``created``/``expires``/``nonce``, adcp-webhooks.md §3.1
-"resend"), so signing cost is paid per attempt. The RFC 9421 signature base is therefore
+Every attempt is signed afresh (new ``created``/``expires``/``nonce``; docs/protocol.md,
+"Signing"), so signing cost is paid per attempt. The RFC 9421 signature base is therefore
 built here with plain string formatting and signed with ``cryptography`` directly: the
-AdCP webhook profile (§2.1) fixes the covered components and parameters, so a general
+AdCP webhook profile fixes the covered components and parameters, so a general
 RFC 9421 library buys nothing at runtime and costs about 1 ms per signature, against
 tens of microseconds for this module. ``http_message_signatures`` and the ``adcp`` SDK
 stay in the test suite as oracles that pin this output byte for byte.
@@ -48,7 +48,7 @@ __all__ = [
     "signature_headers",
 ]
 
-# adcp-webhooks.md §2.1: the profile's algorithm allowlist, tag, label and the fixed,
+# docs/protocol.md "Signing": the profile's algorithm allowlist, tag, label and the fixed,
 # mandatory covered components (content-digest has no opt-out on webhooks).
 ALG_ED25519 = "ed25519"
 ALG_ES256 = "ecdsa-p256-sha256"
@@ -56,11 +56,11 @@ TAG = "adcp/webhook-signing/v1"
 LABEL = "sig1"
 COMPONENTS = ("@method", "@target-uri", "@authority", "content-type", "content-digest")
 CONTENT_TYPE = "application/json"
-MAX_VALIDITY_SECONDS = 300  # §2.1: expires - created <= 300
-NONCE_BYTES = 16  # §2.1: nonce is >= 16 decoded bytes
+MAX_VALIDITY_SECONDS = 300  # docs/protocol.md "Signing": expires - created <= 300
+NONCE_BYTES = 16  # docs/protocol.md "Signing": nonce is >= 16 decoded bytes
 
 _COVERED = "(" + " ".join(f'"{c}"' for c in COMPONENTS) + ")"
-_JWK_ALG = {ALG_ED25519: "EdDSA", ALG_ES256: "ES256"}  # §2.1 table, row `alg`
+_JWK_ALG = {ALG_ED25519: "EdDSA", ALG_ES256: "ES256"}  # docs/protocol.md "Signing"
 
 PrivateKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey
 
@@ -92,7 +92,7 @@ def _alg_of(private_key: object) -> str | None:
 
 @dataclass(frozen=True)
 class SigningKey:
-    """A private key with the ``kid`` buyers look it up by in the seller's JWKS (§2.2)."""
+    """A private key with the ``kid`` buyers look it up by in the seller's JWKS (docs/protocol.md "Signing")."""
 
     key_id: str
     alg: str  # ALG_ED25519 | ALG_ES256
@@ -104,7 +104,7 @@ class SigningKey:
             raise ValueError(f"key {self.key_id!r}: needs a non-empty key id and a key matching alg {self.alg!r}")
 
     def public_jwk(self) -> dict[str, object]:
-        """The JWK to publish at the seller's ``jwks_uri`` (§2.2 "Required JWK members").
+        """The JWK to publish at the seller's ``jwks_uri`` (docs/protocol.md "Signing").
 
         ``adcp_use`` is ``request-signing``, the canonical purpose for webhooks; the older
         ``webhook-signing`` is deprecated (issue #5555) though verifiers still accept it.
@@ -131,7 +131,7 @@ class SigningKey:
         }
 
     def sign(self, data: bytes) -> bytes:
-        """Raw signature bytes; ES256 as IEEE P1363 ``r||s`` (64 bytes), not DER (§2.1)."""
+        """Raw signature bytes; ES256 as IEEE P1363 ``r||s`` (64 bytes), not DER (docs/protocol.md "Signing")."""
         if isinstance(self.private_key, Ed25519PrivateKey):
             return self.private_key.sign(data)
         r, s = decode_dss_signature(self.private_key.sign(data, ec.ECDSA(hashes.SHA256())))
@@ -218,13 +218,13 @@ def content_digest(body: bytes) -> str:
     """RFC 9530 ``Content-Digest`` of the exact wire bytes.
 
     Standard padded base64, as official vector 001 and the SDK emit it; the docs say
-    base64url, but verifiers accept both alphabets for the digest (§2.1 "Binary encodings").
+    base64url, but verifiers accept both alphabets for the digest (docs/protocol.md "Signing").
     """
     return f"sha-256=:{base64.b64encode(hashlib.sha256(body).digest()).decode('ascii')}:"
 
 
 def signature_base(*, method: str, url: str, content_type: str, content_digest: str, params: str) -> str:
-    """The RFC 9421 §2.5 signature base for the profile's fixed components (§2.1).
+    """The RFC 9421 §2.5 signature base for the profile's fixed components (docs/protocol.md "Signing").
 
     ``url`` must already be canonical (``outbox.urls.canonicalize_url``): it is both the
     ``@target-uri`` and the URL the daemon POSTs to. ``params`` is the serialized
@@ -251,23 +251,23 @@ def signature_headers(
     expires_in: int = MAX_VALIDITY_SECONDS,
     method: str = "POST",
 ) -> dict[str, str]:
-    """The four headers of an AdCP RFC 9421 webhook signature (§2.1), fresh per attempt.
+    """The four headers of an AdCP RFC 9421 webhook signature (docs/protocol.md "Signing"), fresh per attempt.
 
     ``url`` must be canonical. ``digest`` may be passed precomputed (the body never
-    changes across attempts, DESIGN.md principle 2) and must then equal
+    changes across attempts, docs/architecture.md, "Exact bytes") and must then equal
     ``content_digest(body)``. Raises ``ValueError`` for a validity outside 1..300 s or a
     URL that is not ASCII (an RFC 9421 signature base is ASCII; a client would
     percent-encode such a URL on the wire and the signature would not verify).
     """
     if not 1 <= expires_in <= MAX_VALIDITY_SECONDS:
-        raise ValueError(f"expires_in must be 1..{MAX_VALIDITY_SECONDS} seconds (§2.1), got {expires_in}")
+        raise ValueError(f"expires_in must be 1..{MAX_VALIDITY_SECONDS} seconds ('Signing' in docs/protocol.md), got {expires_in}")
     if created is None:
         created = int(time.time())
     if nonce is None:
         nonce = _b64url(secrets.token_bytes(NONCE_BYTES))
     if digest is None:
         digest = content_digest(body)
-    # §2.1 parameter order, as in the official vectors.
+    # docs/protocol.md "Signing" parameter order, as in the official vectors.
     params = (
         f"{_COVERED};created={created};expires={created + expires_in};nonce={_sf_string(nonce)};"
         f'keyid={_sf_string(key.key_id)};alg="{key.alg}";tag="{TAG}"'
@@ -282,9 +282,9 @@ def signature_headers(
 
 
 def hmac_headers(secret: bytes, body: bytes, timestamp: int | None = None) -> dict[str, str]:
-    """Legacy HMAC-SHA256 headers (§2.3): ``sha256=<hex>`` over ``b"<ts>." + body``.
+    """Legacy HMAC-SHA256 headers (docs/protocol.md "Legacy credentials"): ``sha256=<hex>`` over ``b"<ts>." + body``.
 
-    Only for registrations that carry ``authentication`` (§2.5); a fresh timestamp per
+    Only for registrations that carry ``authentication`` (docs/protocol.md "Legacy credentials"); a fresh timestamp per
     attempt keeps retries inside the receiver's 300 s replay window.
     """
     ts = str(int(time.time()) if timestamp is None else timestamp)
@@ -293,7 +293,7 @@ def hmac_headers(secret: bytes, body: bytes, timestamp: int | None = None) -> di
 
 
 def bearer_headers(token: str) -> dict[str, str]:
-    """Legacy Bearer authentication (§2.4): no body integrity, only for opted-in buyers."""
+    """Legacy Bearer authentication ("Legacy credentials"): no body integrity, only for opted-in buyers."""
     return {"Authorization": f"Bearer {token}"}
 
 
@@ -306,7 +306,7 @@ class _Cached(NamedTuple):
 class KeyResolver:
     """Resolves the signing key for a tenant on every attempt so a rotation needs no restart.
 
-    Rotation (§2.2) is: publish the new key in the JWKS, then replace the key file. The
+    Rotation (docs/protocol.md "Signing") is: publish the new key in the JWKS, then replace the key file. The
     daemon notices within ``recheck_seconds`` because it re-stats the file at most that
     often and reloads it when ``(mtime_ns, size, inode)`` changed, so an atomic rename and
     an in-place rewrite are both picked up (short of a same-size rewrite inside one

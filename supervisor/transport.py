@@ -2,7 +2,7 @@
 
 Why this is not just ``httpx.AsyncClient().post(url)``:
 
-* **SSRF at send time** (adcp-webhooks.md §6.5). A buyer's host name is resolved and
+* **SSRF at send time** (docs/protocol.md "Destinations (SSRF)"). A buyer's host name is resolved and
   *every* address is vetted with :func:`outbox.urls.blocked_reason` right before sending,
   and the TCP connection goes to the vetted address only: a custom httpcore network
   backend (:class:`_PinnedBackend`) maps the URL's host name to the pinned IP in
@@ -16,14 +16,14 @@ Why this is not just ``httpx.AsyncClient().post(url)``:
 * **One client per origin** (``scheme://host:port``). A single AsyncClient shared by many
   concurrent requests degrades badly; per-origin clients with ``endpoint_concurrency``
   connections each also give natural per-endpoint isolation. The map is LRU-bounded.
-* **Hostile receivers cannot hold us.** Redirects are never followed (§6.5 item 4), at
-  most :data:`RESPONSE_BODY_CAP` bytes of a body are read (§6.4), and the whole attempt
+* **Hostile receivers cannot hold us.** Redirects are never followed (docs/protocol.md "Destinations (SSRF)"), at
+  most :data:`RESPONSE_BODY_CAP` bytes of a body are read (docs/protocol.md "Sizes and timeouts"), and the whole attempt
   (DNS + connect + exchange) has a hard deadline of ``connect + read`` timeout, which
   ``Settings`` guarantees is shorter than the lease, so a trickling receiver cannot make
   an attempt outlive its lease and be sent twice at once.
 * **Errors are safe to store.** :attr:`HttpResult.error` is built from a fixed vocabulary:
-  never the URL, its query string, a resolved address or resolver/OS exception text (§6.5
-  item 6, §6.6).
+  never the URL, its query string, a resolved address or resolver/OS exception text
+  (docs/protocol.md, "Destinations (SSRF)", "Attempt records").
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from supervisor.tls import tls_context
 
 __all__ = ["RESPONSE_BODY_CAP", "HttpResult", "HttpSender", "Resolver"]
 
-RESPONSE_BODY_CAP = 64 * 1024  # §6.4: the SDK captures at most 64 KiB of a response
+RESPONSE_BODY_CAP = 64 * 1024  # docs/protocol.md "Sizes and timeouts": the SDK captures at most 64 KiB of a response
 SHARD_CONNECTIONS = 1  # connections per client of one origin (see _Origin)
 KEEPALIVE_EXPIRY_SECONDS = 5.0  # below common server idle timeouts: avoids stale-socket races
 
@@ -69,7 +69,7 @@ class HttpResult:
     Exactly one of ``status`` and ``error_kind`` is set: a response whose body broke off
     mid-way is reported as ``connection_error`` with ``status=None``, so a classifier never
     mistakes a truncated exchange for a delivered one (the retry is safe: receivers dedup
-    by ``idempotency_key``, §1.5).
+    by ``idempotency_key``, docs/protocol.md "Idempotency").
     """
 
     status: int | None  # None when no (complete) HTTP response
@@ -318,7 +318,7 @@ class HttpSender:
         return entry
 
     async def _resolve_and_vet(self, host: str, port: int) -> tuple[str, ...]:
-        """§6.5 step 2: every address must pass; one blocked address blocks the host."""
+        """docs/protocol.md "Destinations (SSRF)": every address must pass; one blocked address blocks the host."""
         try:
             literal = ipaddress.ip_address(host)
         except ValueError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,3 +99,22 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.2) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def start_ui(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``outboxd ui`` on 127.0.0.1:``port``; returns once it accepts connections."""
+    env = {**env, "OUTBOX_UI_ADDR": f"127.0.0.1:{port}"}
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "ui"], env=env, stdout=open(log, "ab"),
+                            stderr=subprocess.STDOUT)
+
+    def accepting() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return True
+        except OSError:
+            return proc.poll() is not None
+
+    if not wait_until(accepting, 60) or proc.poll() is not None:
+        proc.kill()
+        raise RuntimeError(f"outboxd ui did not start: {log.read_text()[-500:]}")
+    return proc

@@ -83,7 +83,7 @@ STATUS_TABLE = [
     (503, {}, "retry", None, "failed", "HTTP 503"),
     (504, {}, "retry", None, "failed", "HTTP 504"),
     (599, {}, "retry", None, "failed", "HTTP 599"),
-    # plain 401 / 403 retried (persistent channels, §2.6)
+    # plain 401 / 403 retried (persistent channels, docs/protocol.md "Receiver answers")
     (401, {}, "retry", None, "failed", "HTTP 401"),
     (401, {"WWW-Authenticate": 'Bearer realm="adcp", error="invalid_token"'}, "retry", None, "failed", "HTTP 401"),
     (401, {"WWW-Authenticate": 'Signature error="invalid_signature"'}, "retry", None, "failed", "HTTP 401"),
@@ -409,7 +409,7 @@ def test_retry_policy_schedule_without_jitter():
 
 
 def test_retry_policy_meets_adcp_conformance_window():
-    """§4.1: 503 three times then 200, >= 2 deliveries within 90 s — with the worst jitter."""
+    """protocol.md "Retry horizon": 503 three times then 200, >= 2 deliveries within 90 s — with the worst jitter."""
 
     class Max(random.Random):
         def random(self):

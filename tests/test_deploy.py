@@ -41,6 +41,8 @@ COUNTERS = {
     "outbox_dead_letters_total",
     "outbox_breaker_transitions_total",
     "outbox_sink_errors_total",
+    "outbox_lease_rescues_total",
+    "outbox_database_outages_total",
 }
 GAUGES = {
     "outbox_messages",
@@ -384,8 +386,13 @@ def test_dockerfile_contract():
     froms = [re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), f) for f in by_kind["FROM"]]
     assert len(froms) >= 2 and all(f.startswith("python:3.11-slim") for f in froms), froms
     assert any("pip install" in r and " ." in r for r in by_kind["RUN"])
-    user = by_kind["USER"][-1]
-    assert user.split(":")[0] not in ("root", "0")
+    user = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), by_kind["USER"][-1])
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"USER must be numeric uid:gid (runAsNonRoot), got {user}"
+    for manifest in ("deployment.yaml", "migrate-job.yaml"):
+        (doc,) = _load_yaml(DEPLOY / "kubernetes" / manifest)
+        pod = doc["spec"]["template"]["spec"]["securityContext"]
+        assert f"{pod['runAsUser']}:{pod['runAsGroup']}" == user, manifest
+    assert any("pip install -c deploy/constraints.txt ." in r for r in by_kind["RUN"])
     assert json.loads(by_kind["ENTRYPOINT"][-1]) == ["outboxd"]
     assert json.loads(by_kind["CMD"][-1]) == ["run"]
     assert "9464" in by_kind["EXPOSE"][-1].split()
@@ -427,7 +434,7 @@ def test_dockerfile_healthcheck_really_probes_healthz(status, healthy):
 
 def test_dockerfile_context_keeps_the_package_sources():
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").split()
-    for needed in ("!pyproject.toml", "!outbox/", "!supervisor/", "!sinks/"):
+    for needed in ("!pyproject.toml", "!outbox/", "!supervisor/", "!sinks/", "!deploy/constraints.txt"):
         assert needed in ignore
 
 
@@ -583,3 +590,14 @@ def test_kubectl_kustomize_renders():
     assert result.returncode == 0, result.stderr
     kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(result.stdout) if doc)
     assert kinds == ["ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "Service", "ServiceAccount"]
+
+
+def test_constraints_pin_every_runtime_dependency_as_tested():
+    """deploy/constraints.txt is what scripts/constraints.py makes from this environment."""
+    result = subprocess.run([sys.executable, str(DEPLOY.parent / "scripts" / "constraints.py"), "--check"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    pins = dict(line.split("==") for line in (DEPLOY / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    for name in ("sqlalchemy", "psycopg", "psycopg-binary", "greenlet", "httpx", "cryptography", "structlog"):
+        assert name in pins, name

@@ -89,7 +89,7 @@ def test_status_classes_and_adcp_conformance_retry(pg_engine, pg_url, tmp_path, 
             assert procs.wait_until(lambda: len([a for a in procs.arrivals(log) if a["key"] == keys[0]]) >= 4, 60)
             flaky = [a for a in procs.arrivals(log) if a["key"] == keys[0]]
             assert [a["status"] for a in flaky[:4]] == [503, 503, 503, 200]
-            # AdCP conformance (adcp-webhooks.md §4.1): >= 2 deliveries within 90 s, one key.
+            # AdCP conformance (docs/protocol.md "Retry horizon"): >= 2 deliveries within 90 s, one key.
             assert flaky[1]["t"] - flaky[0]["t"] < 90 and time.monotonic() - started < 90
         finally:
             assert procs.stop(daemon) == 0

@@ -38,3 +38,25 @@ def test_beside_a_sellers_own_alembic_history(pg_engine):
     with pg_engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "sellers_rev_42"
         assert current_revision(conn) == head_revision()
+
+
+def test_schema_check_follows_the_recorded_minimum_reader(sqlite_engine):
+    """docs/architecture.md, "Rolling upgrades": current, behind, ahead-but-readable, too new."""
+    from outbox.migrate import check_schema, known_revisions
+
+    def verdict(version: str, min_reader: str | None) -> str:
+        with sqlite_engine.begin() as conn:
+            conn.execute(text("UPDATE outbox_alembic_version SET version_num = :v"), {"v": version})
+            conn.execute(text("DELETE FROM outbox_schema_compat WHERE revision = 'next'"))
+            if min_reader is not None:
+                conn.execute(text("INSERT INTO outbox_schema_compat VALUES ('next', :m)"), {"m": min_reader})
+        with sqlite_engine.connect() as conn:
+            return check_schema(conn).verdict
+
+    older = sorted(known_revisions() - {head_revision()})[0]
+    assert verdict(head_revision(), None) == "current"
+    assert verdict(older, None) == "behind"
+    assert verdict("next", head_revision()) == "ahead"
+    assert verdict("next", older) == "ahead"
+    assert verdict("next", "not-a-revision-of-ours") == "incompatible"
+    assert verdict("next", None) == "incompatible"

@@ -62,7 +62,7 @@ def test_replay_of_a_dead_message_arrives_with_same_bytes_and_key(pg_engine, pg_
     code, out, _ = cli(capsys, monkeypatch, pg_url, "show", k, "--json")
     shown = json.loads(out)
     assert shown["state"] == "delivered"
-    assert [(a["attempt_number"], a["trigger"]) for a in shown["attempts"]] == [(1, "scheduled"), (2, "replay")]
+    assert [(a["attempt_number"], a["trigger"]) for a in shown["attempt_trail"]] == [(1, "scheduled"), (2, "replay")]
 
 
 def test_status_list_show_breakers_purge_and_errors(pg_engine, pg_url, capsys, monkeypatch):

@@ -317,7 +317,7 @@ def test_matches_rfc9421_library(url: str, body: bytes, created: int, nonce: str
     # The library rebuilds the base from the message and our Signature-Input, re-serializes
     # our parameters exactly, and verifies our Signature and Content-Digest against them.
     # The one intended difference: AdCP webhook v1 keeps unpadded base64url for Signature
-    # (adcp-webhooks.md §2.1) where RFC 8941 byte sequences are padded standard base64.
+    # (docs/protocol.md "Signing") where RFC 8941 byte sequences are padded standard base64.
     signature = _signature_bytes(ours["Signature"])
     rfc8941 = {**ours, "Signature": f"{LABEL}=:{base64.b64encode(signature).decode()}:"}
     message = SimpleNamespace(method="POST", url=url, headers=rfc8941)

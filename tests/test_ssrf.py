@@ -1,4 +1,4 @@
-"""SSRF rules (adcp-webhooks.md §6.5), one test per rule: the address block list, the
+"""SSRF rules (docs/protocol.md "Destinations (SSRF)"), one test per rule: the address block list, the
 operator's exemption, and the send-time check that turns a blocked destination into a
 dead message whose error says nothing about the resolver."""
 
@@ -71,7 +71,7 @@ def _claimed(url: str) -> Claimed:
 @pytest.mark.parametrize("resolved", ["10.0.0.7", "127.0.0.1", "169.254.169.254", "::ffff:192.168.0.1",
                                       "fe80::1"])
 async def test_a_host_resolving_to_a_blocked_address_is_dead_blocked(tmp_path, resolved):
-    """Send time (§6.5 step 2): resolve, vet every answer, never connect; the error is generic."""
+    """Send time ("Destinations (SSRF)"): resolve, vet every answer, never connect; the error is generic."""
     pem = tmp_path / "k.pem"
     pem.write_bytes(generate_signing_key_pem())
     settings = outbox.load_settings(env={}, signing_key_file=str(pem), signing_key_id="k")

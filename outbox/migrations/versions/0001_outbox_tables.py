@@ -61,7 +61,7 @@ _PG_CONTRACT = [
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_messages_notify()
     """,
     # The hot table is updated on every claim and completion: vacuum it early and often
-    # (outbox-queue-anchors.md §3).
+    # (docs/architecture.md, "The message state machine").
     """
     ALTER TABLE outbox_messages SET (autovacuum_vacuum_scale_factor = 0.01,
         autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 1)

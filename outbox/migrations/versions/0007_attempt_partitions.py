@@ -9,7 +9,7 @@ because a partitioned table's key must include the partition key; the old table'
 rebuilt so once (a write lock on it for the time of one index build). SQLite is unchanged: its purge deletes rows.
 
 Revision ID: 0007_attempt_partitions
-Revises: 0001
+Revises: 0006_reader_revision
 Create Date: 2026-12-01
 """
 
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from alembic import op
 
+from outbox.migrate import record_min_reader
 from outbox.partitions import AHEAD_DAYS, ENSURE_FUNCTION
 
 revision = "0007_attempt_partitions"
-down_revision = "0001"
+down_revision = "0006_reader_revision"
 branch_labels = None
 depends_on = None
 
@@ -30,6 +31,8 @@ _INDEXES = ("CREATE INDEX outbox_attempts_message_idx ON outbox_attempts (messag
 
 
 def upgrade() -> None:
+    # Additive for old readers: same table name, columns, defaults and INSERTs.
+    record_min_reader(revision, down_revision)
     if op.get_bind().dialect.name != "postgresql":
         return
     for statement in (

@@ -1,0 +1,99 @@
+"""What every ``outboxd`` subcommand module shares: argument types, printing, the database.
+
+Kept apart from :mod:`supervisor.cli` so a subcommand module (``cli_messages``,
+``cli_daemon``, ``cli_keys``, or a new one) imports these without importing the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+from outbox.config import Settings
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class UserError(Exception):
+    """A problem the user can fix: printed as one line, exit status 1."""
+
+
+class Subcommands(Protocol):
+    """The ``add`` callable :func:`supervisor.cli.build_parser` hands to each module's ``register``."""
+
+    def __call__(self, name: str, help_: str, handler: Callable[[argparse.Namespace, Settings], int]
+                 ) -> argparse.ArgumentParser: ...
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``12h``, ``30d``, ``2w`` → seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30d, 12h, 15m or 90s")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_time(text: str) -> float:
+    """An ISO 8601 time, or a duration meaning that long ago (``2h``)."""
+    try:
+        return time.time() - parse_duration(text)
+    except argparse.ArgumentTypeError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an ISO 8601 time nor a duration like 2h") from None
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts and sizes: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=lambda v: v.hex() if isinstance(v, bytes) else str(v)))
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
+    cells = [[str(c) for c in header]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
+    """Run ``await work(engine)`` against the configured database; the engine is disposed after."""
+    from outbox.db import make_async_engine
+
+    async def go() -> Any:
+        engine = make_async_engine(settings.database_url)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def run_async(settings: Settings, work: Callable[[Any], Any]) -> Any:
+    """Run ``await work(conn)`` in one transaction."""
+
+    async def in_transaction(engine: Any) -> Any:
+        async with engine.begin() as conn:
+            return await work(conn)
+
+    return with_engine(settings, in_transaction)

@@ -1,0 +1,1 @@
+"""``outboxd ui``: a small server-rendered web console (Starlette + Jinja2, the ``[ui]`` extra)."""

@@ -1,0 +1,36 @@
+"""Start the console: pick the token, bind ``OUTBOX_UI_ADDR`` (loopback by default), serve."""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+import sys
+
+from outbox.config import Settings
+from supervisor.health import parse_addr
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(settings: Settings) -> int:
+    """Run the console until SIGINT/SIGTERM; the token is printed only when generated here."""
+    try:
+        import uvicorn
+
+        from supervisor.ui.app import make_app
+    except ImportError as exc:
+        raise ValueError(f"the console needs the [ui] extra (pip install 'outboxd[ui]'): {exc}") from None
+    host, port = parse_addr(settings.ui_addr, "OUTBOX_UI_ADDR")
+    token = settings.ui_token or secrets.token_urlsafe(24)
+    print(f"outboxd ui: http://{host}:{port}/ ", file=sys.stderr, end="")
+    print("(sign in with OUTBOX_UI_TOKEN)" if settings.ui_token else f"(sign in with token {token})",
+          file=sys.stderr, flush=True)
+    if not _is_loopback(host):
+        print(f"outboxd ui: warning: listening on {host}, not loopback: put TLS in front of it", file=sys.stderr)
+    uvicorn.run(make_app(settings, token), host=host, port=port, log_level="warning", access_log=False)
+    return 0

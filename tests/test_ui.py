@@ -1,0 +1,180 @@
+"""``outboxd ui`` as an operator meets it: the real console process, the real daemon, a real
+receiver on 127.0.0.1, and Debian's chromium driven by Selenium (never a downloaded browser).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import socket
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from outbox.schema import messages
+from tests import procs
+from tests.test_e2e import enqueue_many, finished
+
+pytestmark = pytest.mark.e2e
+TOKEN = "console-token-for-the-test-0123456789"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def console(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One console process for the module (each test empties the tables it reads)."""
+    log = tmp_path_factory.mktemp("console") / "ui.log"
+    env = {k: v for k, v in procs.daemon_env(pg_url, log.parent / "unused.pem").items()
+           if not k.startswith("OUTBOX_SIGNING")}
+    port = free_port()
+    proc = procs.start_ui({**env, "OUTBOX_UI_TOKEN": TOKEN}, port, log)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        procs.stop(proc)
+
+
+def signed_in(base: str) -> tuple[httpx.Client, str]:
+    client = httpx.Client(base_url=base)
+    assert client.post("/login", data={"token": TOKEN}).status_code == 303
+    csrf = re.search(r'name="csrf" value="([^"]+)"', client.get("/").text)
+    assert csrf
+    return client, csrf.group(1)
+
+
+def replay_state(engine, message_id: int) -> tuple[str, str]:
+    with engine.connect() as conn:
+        row = conn.execute(select(messages.c.state, messages.c.trigger).where(messages.c.id == message_id)).one()
+    return row.state, row.trigger
+
+
+def test_actions_need_the_token_and_the_csrf_token(pg_engine, console):
+    enqueue_many(pg_engine, "http://127.0.0.1:9", ["/hook"])
+    with pg_engine.begin() as conn:
+        conn.execute(messages.update().values(state="dead", dead_reason="gone", finished_at=1.0, retry_until=9e9))
+    anonymous = httpx.Client(base_url=console)
+    assert anonymous.get("/messages").status_code == 303  # every page: sign in first
+    assert anonymous.post("/login", data={"token": "wrong"}).status_code == 401
+    refused = anonymous.post("/replay", data={"id": "1", "confirm": "yes"})
+    assert refused.status_code == 401
+    assert anonymous.post("/breakers/reset", data={"tenant": "t", "origin": "http://x"}).status_code == 401
+    client, csrf = signed_in(console)
+    for bad in ({}, {"csrf": "forged"}):
+        assert client.post("/replay", data={"id": "1", "confirm": "yes", **bad}).status_code == 403
+        assert client.post("/breakers/reset", data={"tenant": "t", "origin": "http://x", **bad}).status_code == 403
+    assert replay_state(pg_engine, 1) == ("dead", "scheduled")  # nothing refused took effect
+    dry = client.post("/replay", data={"id": "1", "csrf": csrf})
+    assert dry.status_code == 200 and "1 message(s) would be replayed" in dry.text
+    assert replay_state(pg_engine, 1) == ("dead", "scheduled")  # a dry run changes nothing
+    done = client.post("/replay", data={"id": "1", "csrf": csrf, "confirm": "yes"})
+    assert "Replayed 1 message(s)" in done.text and replay_state(pg_engine, 1) == ("pending", "replay")
+
+
+def test_filtered_replay_counts_first_and_caps_at_its_limit(pg_engine, console):
+    enqueue_many(pg_engine, "http://127.0.0.1:9", ["/a", "/b", "/c"])
+    with pg_engine.begin() as conn:
+        conn.execute(messages.update().values(state="dead", dead_reason="rejected", finished_at=1.0,
+                                              retry_until=9e9))
+    client, csrf = signed_in(console)
+    assert len(re.findall(r'href="/messages/\d+"', client.get("/messages?since=1h&reason=rejected").text)) == 3
+    assert 'href="/messages/' not in client.get("/messages?until=1h").text  # all created within the hour
+    bad = client.get("/messages?since=soonish")
+    assert bad.status_code == 400 and "since:" in bad.text
+    assert client.post("/replay", data={"csrf": csrf}).status_code == 400  # no filter: refused, not "all"
+    dry = client.post("/replay", data={"csrf": csrf, "reason": "rejected", "limit": "2"})
+    assert "2 message(s) would be replayed" in dry.text and "1 more matched" in dry.text
+    confirm_ids = re.findall(r'name="id" value="(\d+)"', dry.text)
+    assert confirm_ids == ["1", "2"]  # the confirmation replays exactly what the dry run counted
+
+
+@pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
+                    reason="Debian chromium and chromium-driver are needed (.ci/run installs them)")
+def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, pg_url, tmp_path, console):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    key, jwks = procs.make_key(tmp_path)
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, log):
+        enqueue_many(pg_engine, f"http://127.0.0.1:{port}", ["/ok"])  # another message, not to be touched
+        [k] = enqueue_many(pg_engine, f"http://127.0.0.1:{port}", ["/flaky/1/410"])
+        daemon = procs.start_daemon(procs.daemon_env(pg_url, key), tmp_path / "d.log")
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+            options.add_argument(flag)
+        browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+        try:
+            assert procs.wait_until(lambda: finished(pg_engine, 2), 30)
+            browser.get(f"{console}/messages")
+            assert browser.current_url.endswith("/login")
+            browser.find_element(By.ID, "token").send_keys(TOKEN)
+            browser.find_element(By.ID, "sign-in").click()
+            assert "gone" in browser.find_element(By.ID, "dead").text
+            browser.get(f"{console}/messages")
+            browser.find_element(By.ID, "tenant").send_keys("tenant-0")
+            browser.find_element(By.ID, "key").send_keys(k)
+            browser.find_element(By.ID, "search-button").click()
+            rows = browser.find_elements(By.CSS_SELECTOR, "#results tr")[1:]
+            assert len(rows) == 1 and "dead" in rows[0].text and k in rows[0].text
+            rows[0].find_element(By.TAG_NAME, "a").click()
+            payload = browser.find_element(By.ID, "payload").text
+            assert "[redacted]" in payload and "e2e-token" not in browser.page_source
+            assert "410" in browser.find_element(By.ID, "attempts").text
+            browser.find_element(By.ID, "replay-button").click()
+            assert "1 message(s) would be replayed" in browser.find_element(By.ID, "dry-run-count").text
+            browser.find_element(By.ID, "confirm-button").click()
+            assert "Replayed 1 message(s)" in browser.find_element(By.ID, "replayed-count").text
+            replays = lambda: [a for a in procs.arrivals(log) if a["key"] == k]  # noqa: E731
+            assert procs.wait_until(lambda: len(replays()) == 2 and finished(pg_engine, 2), 30)
+        finally:
+            browser.quit()
+            procs.stop(daemon)
+    first, second = replays()
+    assert first["sha256"] == second["sha256"] and (first["status"], second["status"]) == (410, 200)
+    assert second["verified"]
+    assert len(procs.arrivals(log)) == 3  # the other message was not replayed
+
+
+async def test_subscribers_are_shown_when_the_table_exists_and_masked(sqlite_engine):
+    from outbox.db import make_async_engine
+    from supervisor.ui.app import subscribers
+
+    url = sqlite_engine.url.render_as_string(hide_password=False)
+    engine = make_async_engine(url)
+    try:
+        assert await subscribers(engine) is None  # no registry in this schema: the page says so
+        with sqlite_engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE outbox_subscribers (id INTEGER PRIMARY KEY, tenant_id TEXT, "
+                                 "url TEXT, auth_secret BLOB, token TEXT)")
+            conn.exec_driver_sql("INSERT INTO outbox_subscribers VALUES (1, 'acme', "
+                                 "'https://b.example/h?sig=SENTINEL', x'00ff', 'tok-SENTINEL')")
+        [row] = await subscribers(engine)
+    finally:
+        await engine.dispose()
+    assert row == {"id": 1, "tenant_id": "acme", "url": "https://b.example/h", "auth_secret": "[redacted]",
+                   "token": "[redacted]"}
+
+
+def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_path):
+    env = {k: v for k, v in procs.daemon_env(pg_url, tmp_path / "unused.pem").items()
+           if not k.startswith("OUTBOX_SIGNING")}
+    port = free_port()
+    proc = procs.start_ui(env, port, tmp_path / "ui.log")
+    try:
+        printed = (tmp_path / "ui.log").read_text()
+        match = re.search(rf"http://127\.0\.0\.1:{port}/ \(sign in with token (\S+)\)", printed)
+        assert match, printed
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}")
+        assert client.post("/login", data={"token": match.group(1)}).status_code == 303
+        assert client.get("/").status_code == 200
+    finally:
+        procs.stop(proc)
