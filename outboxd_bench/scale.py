@@ -93,8 +93,12 @@ def _claim_limit(bench: Bench) -> int:
 
 
 def _claim_params(bench: Bench) -> dict[str, Any]:
-    return {"limit": _claim_limit(bench), "lease": 30.0, "horizon": 86_400, "daemon": "bench",
-            "token": uuid.uuid4().hex, "busy": []}
+    """What the daemon binds (outbox/store.py, ``claim``) with the configured settings. Both
+    shapes of the claim are served: origins skipped by the caller (``busy``), or the per-origin
+    cap inside the statement (``cap``, ``done``, issue 10); a statement ignores the others."""
+    return {"limit": _claim_limit(bench), "lease": bench.settings.lease_seconds,
+            "horizon": bench.settings.retry_horizon_seconds, "daemon": "bench", "token": uuid.uuid4().hex,
+            "busy": [], "cap": bench.settings.endpoint_concurrency, "done": "[]"}
 
 
 def _explain(bench: Bench, name: str, params: dict[str, Any]) -> tuple[float, float, list[str]]:
