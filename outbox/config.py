@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import difflib
 import ipaddress
+import math
 import os
 import tomllib
 import warnings
@@ -30,6 +31,65 @@ MIN_HORIZON = 86_400
 MAX_HORIZON = 604_800
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+MAX_SECONDS = 31_536_000.0  # a year: beyond it a timeout no longer fits the OS's timeval
+MAX_COUNT = 1_000_000
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The legal range of one numeric setting; NaN and infinities are never legal.
+
+    ``low_open`` makes the lower bound exclusive (a timeout must be > 0, a grace may be 0).
+    """
+
+    low: float
+    high: float
+    low_open: bool = False
+    why: str = ""
+
+    def check(self, name: str, value: object) -> None:
+        """Raise a one-line :class:`ConfigurationError` naming the variable when out of range."""
+        var = ENV_PREFIX + name.upper()
+        integral = isinstance(self.low, int) and isinstance(self.high, int)
+        kind = (int,) if integral else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigurationError(f"{var} must be {'an integer' if integral else 'a number'}, got {value!r}")
+        above = value > self.low if self.low_open else value >= self.low
+        if not (math.isfinite(value) and above and value <= self.high):
+            low = f"> {self.low:.15g}" if self.low_open else f">= {self.low:.15g}"
+            raise ConfigurationError(f"{var} must be {low} and <= {self.high:.15g}{self.why}, got {value!r}")
+
+
+def _seconds(*, zero: bool = False) -> Bounds:
+    return Bounds(0.0, MAX_SECONDS, low_open=not zero)
+
+
+# Every int and float field of Settings has an entry (tests/test_config_validation.py
+# checks it): add one next to a new numeric setting.
+NUMERIC_BOUNDS: dict[str, Bounds] = {
+    "retry_horizon_seconds": Bounds(MIN_HORIZON, MAX_HORIZON, why=" (AdCP delivery_retry_horizon_seconds)"),
+    "concurrency": Bounds(1, MAX_COUNT),
+    "endpoint_concurrency": Bounds(1, MAX_COUNT),
+    "claim_batch": Bounds(1, MAX_COUNT),
+    "connect_timeout_seconds": _seconds(),
+    "read_timeout_seconds": _seconds(),
+    "lease_seconds": _seconds(),
+    "poll_interval_seconds": _seconds(),
+    "shutdown_grace_seconds": _seconds(zero=True),
+    "database_outage_seconds": _seconds(),
+    "retry_base_seconds": _seconds(),
+    "retry_max_seconds": _seconds(),
+    "retry_after_cap_seconds": _seconds(zero=True),
+    "breaker_failure_threshold": Bounds(1, MAX_COUNT),
+    "breaker_success_threshold": Bounds(1, MAX_COUNT),
+    "breaker_open_seconds": _seconds(),
+    "breaker_max_open_seconds": _seconds(),
+    "breaker_failure_ratio": Bounds(0.0, 1.0, low_open=True),
+    "breaker_window_seconds": _seconds(),
+    "sink_timeout_seconds": _seconds(),
+}
 
 
 @dataclass(frozen=True)
@@ -58,10 +118,14 @@ class Settings:
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 3600.0
     retry_after_cap_seconds: float = 3600.0
-    breaker_failure_threshold: int = 5
+    # Circuit breakers (supervisor/breaker.py): open when, over the last window, at least
+    # the threshold of attempts failed and they are at least the ratio of all attempts.
+    breaker_failure_threshold: int = 10
+    breaker_failure_ratio: float = 0.7
+    breaker_window_seconds: float = 30.0
     breaker_success_threshold: int = 2
-    breaker_open_seconds: float = 60.0
-    breaker_max_open_seconds: float = 3600.0
+    breaker_open_seconds: float = 30.0
+    breaker_max_open_seconds: float = 300.0
     sinks: tuple[str, ...] = ()
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False
@@ -74,19 +138,17 @@ class Settings:
     ui_token: str | None = None  # `outboxd ui`: the token for signing in; generated when unset
 
     def __post_init__(self) -> None:
-        if not MIN_HORIZON <= self.retry_horizon_seconds <= MAX_HORIZON:
-            raise ConfigurationError(
-                f"OUTBOX_RETRY_HORIZON_SECONDS must be within {MIN_HORIZON}..{MAX_HORIZON} "
-                f"(AdCP delivery_retry_horizon_seconds), got {self.retry_horizon_seconds}"
-            )
+        for name, bounds in NUMERIC_BOUNDS.items():
+            bounds.check(name, getattr(self, name))
         if self.lease_seconds <= self.connect_timeout_seconds + self.read_timeout_seconds:
             raise ConfigurationError(
-                "OUTBOX_LEASE_SECONDS must exceed connect + read timeout, or a slow request "
-                "could outlive its lease and be sent twice at once"
+                f"OUTBOX_LEASE_SECONDS ({self.lease_seconds:g}) must exceed OUTBOX_CONNECT_TIMEOUT_SECONDS + "
+                f"OUTBOX_READ_TIMEOUT_SECONDS ({self.connect_timeout_seconds + self.read_timeout_seconds:g}), "
+                "or a slow request could outlive its lease and be sent twice at once"
             )
-        for name in ("concurrency", "endpoint_concurrency", "claim_batch"):
-            if getattr(self, name) < 1:
-                raise ConfigurationError(f"OUTBOX_{name.upper()} must be at least 1")
+        for low, high in (("retry_base_seconds", "retry_max_seconds"), ("breaker_open_seconds", "breaker_max_open_seconds")):
+            if getattr(self, high) < getattr(self, low):
+                raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
         if self.tls_trust not in ("certifi", "system"):
             raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
         if self.log_format not in ("auto", "json", "console"):
@@ -165,6 +227,8 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         if annotation.startswith("bool"):
             return _parse_bool(name, raw)
         if annotation.startswith("int"):
+            if isinstance(raw, (bool, float)):  # TOML: 2.5 or true for a count
+                raise ValueError(raw)
             return int(raw)
         if annotation.startswith("float"):
             return float(raw)

@@ -1,7 +1,8 @@
 """Engines configured the way the outbox needs, for the daemon, the CLI and sellers.
 
 SQLite is shared by two processes (the seller's app and the daemon), so every SQLite
-connection gets WAL, a busy timeout and ``BEGIN IMMEDIATE`` write transactions: a reader
+connection gets WAL, ``synchronous=FULL``, a busy timeout and ``BEGIN IMMEDIATE`` write
+transactions: a reader
 never blocks the writer, and two writers queue instead of failing with "database is locked"
 half-way through a transaction (docs/architecture.md, "SQLite").
 """
@@ -41,7 +42,9 @@ def configure_sqlite(engine: Engine) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        # FULL: a committed enqueue or outcome survives power loss, not only a crash of
+        # the process (WAL with NORMAL may lose the last transactions on power loss).
+        cursor.execute("PRAGMA synchronous=FULL")
         cursor.close()
 
     @event.listens_for(engine, "begin")

@@ -62,9 +62,21 @@ def default_settings() -> Settings:
     return load_settings()
 
 
+def _wire_form(value: Any) -> Any:
+    """An ``adcp`` SDK (pydantic) model as the JSON it puts on the wire; anything else as is.
+
+    The one conversion for SDK models, wherever they appear: a whole argument
+    (``push_notification_config``, ``context``, ``payload``, ``result``) or a value nested
+    inside a plain mapping (through :func:`_render`'s ``default`` hook, which costs nothing
+    for plain input). JSON mode with ``None`` fields left out, as the SDK's own server
+    serializes a tool result (``adcp.server.mcp_tools``), and wire names (``by_alias``).
+    """
+    dump = getattr(value, "model_dump", None)
+    return dump(mode="json", by_alias=True, exclude_none=True) if callable(dump) else value
+
+
 def _as_mapping(value: Any, field: str) -> Mapping[str, Any]:
-    if hasattr(value, "model_dump"):  # pydantic models from the adcp SDK
-        value = value.model_dump(mode="json", exclude_none=True)
+    value = _wire_form(value)
     if not isinstance(value, Mapping):
         raise OutboxValidationError(field, "must be an object (mapping)")
     return value
@@ -139,10 +151,18 @@ def _idempotency_key(given: str | None) -> str:
     return _check_string(given, "idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
 
 
+def _json_default(value: Any) -> Any:
+    converted = _wire_form(value)
+    if converted is value:
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    return converted
+
+
 def _render(envelope: Mapping[str, Any]) -> bytes:
     """Serialize once: compact, UTF-8, and strictly JSON (no NaN, no non-string keys)."""
     try:
-        body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                          default=_json_default).encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError (lone surrogates) is a ValueError
         raise OutboxValidationError("result", f"is not JSON-serializable ({exc})") from None
     if len(body) > protocol.MAX_BODY_BYTES:

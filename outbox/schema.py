@@ -130,6 +130,12 @@ messages = Table(
     Index("outbox_messages_finished_idx", "finished_at", postgresql_where=text("finished_at IS NOT NULL"),
           sqlite_where=text("finished_at IS NOT NULL")),
     Index("outbox_messages_tenant_idx", "tenant_id", "created_at"),
+    # The claim walks each endpoint's due head (tenant, origin, due order), and the expiry
+    # sweep finds pending rows by enqueue time: neither reads finished history.
+    Index("outbox_messages_endpoint_due_idx", "tenant_id", text("COALESCE(origin, '')"), "next_attempt_at", "id",
+          postgresql_where=text("state = 'pending'"), sqlite_where=text("state = 'pending'")),
+    Index("outbox_messages_pending_created_idx", "created_at", postgresql_where=text("state = 'pending'"),
+          sqlite_where=text("state = 'pending'")),
 )
 
 attempts = Table(
@@ -176,8 +182,31 @@ breakers = Table(
     Column("open_until", _Epoch),
     Column("probe_until", _Epoch),
     Column("updated_at", _Epoch, nullable=False, server_default=db_now()),
+    # The failure-rate window (supervisor/breaker.py): current bucket and the previous one.
+    Column("window_started_at", _Epoch),
+    Column("window_attempts", Integer, nullable=False, server_default="0"),
+    Column("window_failures", Integer, nullable=False, server_default="0"),
+    Column("previous_attempts", Integer, nullable=False, server_default="0"),
+    Column("previous_failures", Integer, nullable=False, server_default="0"),
     PrimaryKeyConstraint("tenant_id", "origin", name="outbox_breakers_pkey"),
     _enum_check("state", BREAKER_STATES, "outbox_breakers_state_check"),
+)
+
+# Every breaker transition, once (the row behind the log line and the metric).
+breaker_transitions = Table(
+    "outbox_breaker_transitions",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("tenant_id", Text, nullable=False),
+    Column("origin", Text, nullable=False),
+    Column("from_state", Text, nullable=False),
+    Column("to_state", Text, nullable=False),
+    Column("window_attempts", Float(53)),
+    Column("window_failures", Float(53)),
+    Column("open_until", _Epoch),
+    Column("daemon_id", Text),
+    Column("occurred_at", _Epoch, nullable=False, server_default=db_now()),
+    Index("outbox_breaker_transitions_key_idx", "tenant_id", "origin", "occurred_at"),
 )
 
 # One row per migration (from 0006 on): the oldest code revision that can still run on a

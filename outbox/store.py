@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import Text, bindparam, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breakers
+from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breaker_transitions, breakers
 
 CHANNEL = "outbox_wakeup"
 _PG_TYPES = {"int": "bigint", "float": "float8", "text": "text", "bool": "boolean"}
@@ -41,6 +41,105 @@ def _json_rows(pg: bool, columns: Sequence[tuple[str, str]]) -> str:
     return f"(SELECT {picks} FROM json_each(:rows)) AS v"
 
 
+# When a message's retry horizon ends: counted from enqueue (a forced replay stamps its own).
+DEADLINE = "COALESCE(retry_until, created_at + COALESCE(horizon_seconds, :horizon))"
+# Every horizon is at least this long (AdCP delivery_retry_horizon_seconds minimum).
+MIN_HORIZON_SECONDS = 86_400
+
+
+def _claim_sql(pg: bool, now: str) -> str:
+    """The claim: one statement that leases only what may be sent now.
+
+    Per endpoint (tenant, origin) it takes the oldest due messages, none while its breaker
+    is open or its half-open probe is out, one (the probe) once the open period is over.
+    Per origin it then deals slots round-robin across that origin's tenants, up to
+    ``OUTBOX_ENDPOINT_CONCURRENCY`` minus what this daemon already holds there (its
+    in-flight rows, outcomes not yet recorded included), and across origins it takes
+    everyone's first slot before anyone's second: fair, and nothing is claimed that would
+    have to be handed back. PostgreSQL walks the endpoints with a skip scan of
+    ``outbox_messages_endpoint_due_idx`` and reads each endpoint's due head through a
+    LATERAL index scan, so the cost is the number of endpoints with pending work plus what
+    is claimed, never the history or a long backlog (the CTEs are MATERIALIZED: inlined,
+    the planner may re-run the per-endpoint scans once per candidate row). SQLite (a
+    single host's outbox) ranks the due rows with a window function.
+    """
+    done = "jsonb_array_elements_text(CAST(:done AS jsonb))" if pg else "json_each(:done)"
+    room = f"""CASE WHEN b.state = 'open' AND b.open_until > {now} THEN 0
+                    WHEN b.state = 'half_open' AND b.probe_until > {now} THEN 0
+                    WHEN b.state IN ('open', 'half_open') THEN 1 ELSE :cap END"""
+    if pg:
+        heads = f"""
+            endpoints AS (
+                (SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o FROM outbox_messages AS m
+                 WHERE m.state = 'pending' ORDER BY m.tenant_id, COALESCE(m.origin, '') LIMIT 1)
+                UNION ALL
+                SELECT n.t, n.o FROM endpoints AS e CROSS JOIN LATERAL (
+                    SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o FROM outbox_messages AS m
+                    WHERE m.state = 'pending' AND (m.tenant_id, COALESCE(m.origin, '')) > (e.t, e.o)
+                    ORDER BY m.tenant_id, COALESCE(m.origin, '') LIMIT 1) AS n
+            ),
+            gates AS (
+                SELECT e.t, e.o, {room} AS room
+                FROM endpoints AS e LEFT JOIN outbox_breakers AS b ON b.tenant_id = e.t AND b.origin = e.o
+            ),
+            heads AS MATERIALIZED (
+                SELECT h.id, h.next_attempt_at, g.t, g.o, h.nth FROM gates AS g CROSS JOIN LATERAL (
+                    SELECT m.id, m.next_attempt_at, row_number() OVER (ORDER BY m.next_attempt_at, m.id) AS nth
+                    FROM outbox_messages AS m
+                    WHERE m.state = 'pending' AND m.tenant_id = g.t AND COALESCE(m.origin, '') = g.o
+                      AND m.next_attempt_at <= {now}
+                    ORDER BY m.next_attempt_at, m.id LIMIT g.room) AS h
+                WHERE g.room > 0
+            ),"""
+        lock = "FOR UPDATE OF m SKIP LOCKED"
+    else:
+        heads = f"""
+            heads AS (
+                SELECT id, next_attempt_at, t, o, nth FROM (
+                    SELECT m.id, m.next_attempt_at, m.tenant_id AS t, COALESCE(m.origin, '') AS o, {room} AS room,
+                           row_number() OVER (PARTITION BY m.tenant_id, COALESCE(m.origin, '')
+                                              ORDER BY m.next_attempt_at, m.id) AS nth
+                    FROM outbox_messages AS m
+                    LEFT JOIN outbox_breakers AS b ON b.tenant_id = m.tenant_id AND b.origin = m.origin
+                    WHERE m.state = 'pending' AND m.next_attempt_at <= {now}) AS ranked_rows
+                WHERE nth <= room
+            ),"""
+        lock = ""
+    # The target table is not aliased: SQLite resolves RETURNING only so.
+    breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
+               " AND b.origin = outbox_messages.origin)")
+    return f"""
+        WITH {"RECURSIVE " if pg else ""}{heads}
+        held AS {"MATERIALIZED " if pg else ""}(
+            SELECT COALESCE(origin, '') AS o, count(*) AS n FROM outbox_messages
+            WHERE state = 'in_flight' AND leased_by = :daemon
+              AND id NOT IN (SELECT CAST(value AS {"bigint" if pg else "integer"}) FROM {done})
+            GROUP BY COALESCE(origin, '')
+        ),
+        slots AS {"MATERIALIZED " if pg else ""}(
+            SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
+            FROM heads
+        ),
+        picked AS (
+            SELECT m.id AS picked_id FROM slots AS s JOIN outbox_messages AS m ON m.id = s.id
+            LEFT JOIN held AS h ON h.o = s.o
+            WHERE s.slot + COALESCE(h.n, 0) <= :cap AND m.state = 'pending'
+            ORDER BY s.slot, s.next_attempt_at, s.id
+            LIMIT :limit {lock}
+        )
+        UPDATE outbox_messages
+        SET state = 'in_flight', lease_token = :token, lease_expires_at = {now} + :lease,
+            leased_by = :daemon, attempts = attempts + 1,
+            first_attempt_at = COALESCE(first_attempt_at, {now}),
+            retry_until = {DEADLINE}
+        FROM picked WHERE outbox_messages.id = picked.picked_id
+        RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, auth_mode, auth_secret,
+                  sequence_number, notification_type, attempts, retry_until, created_at, trigger,
+                  {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
+                  {breaker.format(col="open_until")} AS breaker_open_until
+    """
+
+
 class _Statements:
     """The SQL of one dialect, rendered once."""
 
@@ -49,34 +148,7 @@ class _Statements:
         lock = "FOR UPDATE OF m SKIP LOCKED" if pg else ""
         lock_plain = "FOR UPDATE SKIP LOCKED" if pg else ""
         self.now = text(f"SELECT {now}")
-        # The endpoint's breaker comes back with each claimed row, so the claim is one
-        # statement. (The target table is not aliased: SQLite resolves RETURNING only so.)
-        breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
-                   " AND b.origin = outbox_messages.origin)")
-        self.claim = text(f"""
-            WITH due AS (
-                SELECT m.id AS due_id FROM outbox_messages AS m
-                WHERE m.state = 'pending' AND m.next_attempt_at <= {now}
-                  AND (m.origin IS NULL OR m.origin NOT IN :busy)
-                  AND NOT EXISTS (
-                      SELECT 1 FROM outbox_breakers AS b
-                      WHERE b.tenant_id = m.tenant_id AND b.origin = m.origin
-                        AND ((b.state = 'open' AND b.open_until > {now})
-                             OR (b.state = 'half_open' AND b.probe_until > {now})))
-                ORDER BY m.next_attempt_at, m.id
-                LIMIT :limit {lock}
-            )
-            UPDATE outbox_messages
-            SET state = 'in_flight', lease_token = :token, lease_expires_at = {now} + :lease,
-                leased_by = :daemon, attempts = attempts + 1,
-                first_attempt_at = COALESCE(first_attempt_at, {now}),
-                retry_until = COALESCE(retry_until, {now} + COALESCE(horizon_seconds, :horizon))
-            FROM due WHERE outbox_messages.id = due.due_id
-            RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, auth_mode, auth_secret,
-                      sequence_number, notification_type, attempts, retry_until, created_at, trigger,
-                      {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
-                      {breaker.format(col="open_until")} AS breaker_open_until
-        """).bindparams(bindparam("busy", expanding=True, type_=Text()))
+        self.claim = text(_claim_sql(pg, now))
         # RETURNING must name bare columns (SQLite), so the row source avoids the table's names.
         completion = _json_rows(pg, [
             ("mid", "int"), ("tok", "text"), ("new_state", "text"), ("new_reason", "text"),
@@ -113,35 +185,32 @@ class _Statements:
             RETURNING id, tenant_id, url, attempts, idempotency_key, sequence_number, notification_type,
                       trigger, leased_by, length(body) AS payload_size
         """)
+        # Past created_at + horizon (a forced replay's own retry_until aside) ends dead,
+        # attempted or not. Every deadline is at least MIN_HORIZON after enqueue, so the
+        # pending-by-enqueue-time index bounds the sweep to rows that can be due to expire.
         self.expire = text(f"""
             UPDATE outbox_messages SET state = 'dead', dead_reason = 'expired', finished_at = {now},
                 last_error = 'retry horizon passed'
-            WHERE id IN (SELECT id FROM outbox_messages WHERE state = 'pending' AND retry_until <= {now}
+            WHERE id IN (SELECT id FROM outbox_messages
+                         WHERE state = 'pending' AND created_at <= {now} - :min_horizon
+                           AND {DEADLINE} <= {now}
                          LIMIT :limit {lock_plain})
+              AND state = 'pending'
             RETURNING id, tenant_id
         """)
-        # A breaker that opens defers its endpoint's backlog; each deferral is a circuit-open
-        # skip in the attempt log (same transaction), numbered as the attempt it postpones.
-        deferrable = ("state = 'pending' AND tenant_id = :tenant_id AND origin = :origin"
-                      " AND next_attempt_at < :until")
-        bare_url = "split_part(url, '?', 1)" if pg else \
-            "CASE WHEN instr(url, '?') > 0 THEN substr(url, 1, instr(url, '?') - 1) ELSE url END"
-        self.log_deferral = text(f"""
-            INSERT INTO outbox_attempts (message_id, tenant_id, url, attempt_number, outcome, error, will_retry,
-                next_retry_at, payload_size, sequence_number, idempotency_key, notification_type, trigger,
-                daemon_id, occurred_at)
-            SELECT id, tenant_id, {bare_url}, attempts + 1, 'circuit_open', 'circuit open: deferred', :yes,
-                :until, length(body), sequence_number, idempotency_key, notification_type, trigger, :daemon, {now}
-            FROM outbox_messages WHERE {deferrable}
-        """)
-        self.defer_endpoint = text(f"UPDATE outbox_messages SET next_attempt_at = :until WHERE {deferrable}")
         self.next_due = text(f"SELECT min(next_attempt_at), {now} FROM outbox_messages WHERE state = 'pending'")
+        # Gauges read only the partial indexes of live rows: their cost is what is due,
+        # never the history (delivered and dead are counters, outbox_deliveries_total).
+        self.live_counts = text("SELECT (SELECT count(*) FROM outbox_messages WHERE state = 'pending'),"
+                                " (SELECT count(*) FROM outbox_messages WHERE state = 'in_flight')")
+        # The state is checked again on the row being deleted (not only in the subquery): a
+        # row a concurrent ``replay --force`` made pending after the subquery saw it is kept
+        # (PostgreSQL re-evaluates the outer condition on the row's latest version).
+        finished = (f"state IN ('delivered', 'dead') AND finished_at IS NOT NULL AND finished_at < {now} - :older_than"
+                    f" AND {DEADLINE} < {now}")
         self.purge = text(f"""
             DELETE FROM outbox_messages
-            WHERE id IN (SELECT id FROM outbox_messages
-                         WHERE finished_at IS NOT NULL AND finished_at < {now} - :older_than
-                           AND COALESCE(retry_until, created_at + COALESCE(horizon_seconds, :horizon)) < {now}
-                         LIMIT :limit)
+            WHERE id IN (SELECT id FROM outbox_messages WHERE {finished} LIMIT :limit) AND {finished}
             RETURNING id
         """)
         self.purge_attempts = text("DELETE FROM outbox_attempts WHERE message_id IN :ids").bindparams(
@@ -150,9 +219,9 @@ class _Statements:
             UPDATE outbox_messages
             SET state = 'pending', dead_reason = NULL, next_attempt_at = {now}, finished_at = NULL,
                 trigger = 'replay', first_attempt_at = CASE WHEN :force THEN NULL ELSE first_attempt_at END,
-                retry_until = CASE WHEN :force THEN NULL ELSE retry_until END
+                retry_until = CASE WHEN :force THEN {now} + COALESCE(horizon_seconds, :horizon) ELSE retry_until END
             WHERE id IN :ids AND state IN ('dead', 'delivered')
-              AND (:force OR retry_until IS NULL OR retry_until > {now})
+              AND (:force OR {DEADLINE} > {now})
             RETURNING id
         """).bindparams(bindparam("ids", expanding=True))
 
@@ -198,7 +267,7 @@ class Completion:
     state: str  # delivered | pending | dead
     dead_reason: str | None = None
     next_attempt_at: float | None = None
-    attempts_delta: int = 0  # -1 when the attempt was never made (circuit open)
+    attempts_delta: int = 0  # -1 when the claimed message was not sent (released, expired unsent)
     last_status: int | None = None
     last_error: str | None = None
 
@@ -214,17 +283,20 @@ async def claim(
     lease_seconds: float,
     horizon_seconds: int,
     daemon_id: str,
-    busy_origins: Iterable[str] = (),
+    endpoint_concurrency: int,
+    done_ids: Iterable[int] = (),
 ) -> list[Claimed]:
-    """Lease up to ``limit`` due messages in one statement (``FOR UPDATE SKIP LOCKED``).
+    """Lease up to ``limit`` messages that may be sent now, in one statement.
 
-    Messages behind an open breaker, or whose endpoint is at its concurrency limit in this
-    daemon, are left for later. The horizon clock starts at the first claim (docs/protocol.md "Retry horizon").
+    Endpoints behind an open breaker are passed over, an origin gets no more than
+    ``endpoint_concurrency`` open requests from this daemon (its in-flight rows except
+    ``done_ids``, whose request is over but not yet recorded), and claiming starts no clock: the
+    retry horizon counts from enqueue (``retry_until`` is stamped with that deadline).
     """
     token = uuid.uuid4().hex
     result = await conn.execute(sql(conn).claim, {
         "limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
-        "token": token, "busy": list(busy_origins),
+        "token": token, "cap": endpoint_concurrency, "done": json.dumps(list(done_ids)),
     })
     return [
         Claimed(
@@ -275,28 +347,47 @@ async def lock_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) 
     return {(r["tenant_id"], r["origin"]): dict(r) for r in rows}
 
 
-async def save_breakers(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    """Upsert breaker rows (one statement per batch, whatever the number of keys)."""
-    if not rows:
-        return
+def _insert(conn: AsyncConnection) -> Any:
     if _is_pg(conn):
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
-    statement = insert(breakers)
-    columns = ("state", "failures", "successes", "trips", "open_until", "probe_until", "updated_at")
+    return insert
+
+
+async def ensure_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) -> None:
+    """Create missing breaker rows (closed, empty), leaving existing ones alone.
+
+    Run before :func:`lock_breakers`, so two daemons recording the first failures of an
+    endpoint at once both lock the same row and the second adds to the first's counts
+    (PostgreSQL makes the second INSERT wait for the first to commit) instead of both
+    starting from nothing and the later write erasing the earlier.
+    """
+    rows = [{"tenant_id": t, "origin": o} for t, o in sorted(set(keys))]
+    if rows:
+        await conn.execute(_insert(conn)(breakers).on_conflict_do_nothing(index_elements=["tenant_id", "origin"]),
+                           rows)
+
+
+BREAKER_COLUMNS = ("state", "failures", "successes", "trips", "open_until", "probe_until", "updated_at",
+                   "window_started_at", "window_attempts", "window_failures", "previous_attempts",
+                   "previous_failures")
+
+
+async def save_breakers(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
+    """Upsert breaker rows (one statement per batch, whatever the number of keys)."""
+    if not rows:
+        return
+    statement = _insert(conn)(breakers)
     statement = statement.on_conflict_do_update(
-        index_elements=["tenant_id", "origin"], set_={c: statement.excluded[c] for c in columns}
+        index_elements=["tenant_id", "origin"], set_={c: statement.excluded[c] for c in BREAKER_COLUMNS}
     )
-    await conn.execute(statement, list(rows))
+    await conn.execute(statement, [{k: row[k] for k in ("tenant_id", "origin", *BREAKER_COLUMNS)} for row in rows])
 
 
-async def defer_endpoint(conn: AsyncConnection, tenant_id: str, origin: str, until: float, daemon_id: str) -> int:
-    """Push an endpoint's pending messages to ``until`` (its breaker's open period end),
-    logging a ``circuit_open`` attempt row for each; no attempt is made or counted."""
-    params = {"tenant_id": tenant_id, "origin": origin, "until": until, "daemon": daemon_id, "yes": True}
-    await conn.execute(sql(conn).log_deferral, params)
-    return (await conn.execute(sql(conn).defer_endpoint, params)).rowcount
+async def insert_transitions(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
+    if rows:
+        await conn.execute(breaker_transitions.insert(), list(rows))
 
 
 async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> bool:
@@ -311,9 +402,16 @@ async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> l
     return list(await conn.execute(sql(conn).rescue, {"limit": limit}))
 
 
-async def expire_past_horizon(conn: AsyncConnection, *, limit: int = 500) -> list[str]:
-    """End pending messages past their retry horizon as dead ``expired``; their tenants, one per message."""
-    return [r.tenant_id for r in await conn.execute(sql(conn).expire, {"limit": limit})]
+async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[str]:
+    """End ``dead expired`` what is pending past its horizon (attempted or not); their tenants, one per message."""
+    params = {"limit": limit, "horizon": horizon_seconds, "min_horizon": MIN_HORIZON_SECONDS}
+    return [r.tenant_id for r in await conn.execute(sql(conn).expire, params)]
+
+
+async def live_counts(conn: AsyncConnection) -> tuple[int, int]:
+    """(pending, in_flight): read from the partial indexes, whatever the history."""
+    pending, in_flight = (await conn.execute(sql(conn).live_counts)).one()
+    return int(pending), int(in_flight)
 
 
 async def next_due_at(conn: AsyncConnection) -> tuple[float | None, float]:
@@ -331,11 +429,16 @@ async def purge_batch(conn: AsyncConnection, *, older_than: float, horizon_secon
     return len(ids)
 
 
-async def replay(conn: AsyncConnection, ids: Sequence[int], *, force: bool) -> list[int]:
-    """Make finished messages due again, same bytes and key, marked as a replay."""
+async def replay(conn: AsyncConnection, ids: Sequence[int], *, force: bool, horizon_seconds: int) -> list[int]:
+    """Make finished messages due again, same bytes and key, marked as a replay.
+
+    A forced replay gets a fresh horizon from now; otherwise only messages still inside
+    their horizon (counted from enqueue) are replayed.
+    """
     if not ids:
         return []
-    return [r.id for r in await conn.execute(sql(conn).replay, {"ids": list(ids), "force": force})]
+    params = {"ids": list(ids), "force": force, "horizon": horizon_seconds}
+    return [r.id for r in await conn.execute(sql(conn).replay, params)]
 
 
 async def notify(conn: AsyncConnection) -> None:

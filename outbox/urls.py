@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import string
 from typing import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -22,8 +23,14 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 MAX_URL_LENGTH = 2048
 _DEFAULT_PORTS = {"https": 443, "http": 80}
-_PERCENT = re.compile(r"%[0-9a-fA-F]{2}")
+_STRAY_PERCENT = re.compile(r"%(?![0-9a-fA-F]{2})")
+_ESCAPED_DOT = re.compile(r"%2[eE]")
 _BAD_CHARS = re.compile(r"[\s\x00-\x1f\x7f]")
+# RFC 3986 §2.3 unreserved, §3.3 pchar, §3.4 query: what a canonical path or query may hold
+# unescaped. Everything else (non-ASCII included) is percent-encoded as UTF-8.
+_UNRESERVED = frozenset(string.ascii_letters + string.digits + "-._~")
+_PATH_SAFE = _UNRESERVED | frozenset("!$&'()*+,;=:@/")
+_QUERY_SAFE = _PATH_SAFE | frozenset("?")
 # Plain LDH labels (letters, digits, inner hyphens; no "xn--" punycode to re-check): UTS-46
 # leaves such a host as it is, so it needs no IDNA processing (the slow part of enqueue).
 _ASCII_HOST = re.compile(r"(?!.*(?:^|\.)xn--)(?:(?!-)[a-z0-9-]{1,63}(?<!-)\.)*(?!-)[a-z0-9-]{1,63}(?<!-)")
@@ -112,6 +119,8 @@ def blocked_reason(address: IPAddress, allowed: Iterable[Network] = ()) -> str |
 
 
 def _canonical_host(host: str) -> str:
+    if "%" in host:
+        raise OutboxValidationError("url", "host must not contain '%' (an IPv6 zone identifier is node-local)")
     host = host.rstrip(".") if host.endswith(".") and not host.endswith("..") else host
     try:
         return str(ipaddress.ip_address(host))
@@ -126,12 +135,74 @@ def _canonical_host(host: str) -> str:
         raise OutboxValidationError("url", f"host {host!r} is not a valid domain name ({exc})") from None
 
 
-def canonicalize_url(url: str) -> str:
-    """The AdCP canonical form of a webhook URL (docs/protocol.md "Signing" ``@target-uri``).
+def _escape(char: str) -> str:
+    try:
+        return "".join(f"%{b:02X}" for b in char.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise OutboxValidationError("url", "is not valid Unicode (lone surrogate)") from None
 
-    Lowercase scheme and host, UTS-46 IDN, default port and one trailing dot stripped,
-    percent-escapes uppercased, an empty path made ``/``, the query kept byte for byte.
-    The daemon POSTs to exactly this string, so the signature describes the real request.
+
+def _normalize_escapes(text: str, safe: frozenset[str], *, path: bool) -> str:
+    """``text`` with every character outside ``safe`` percent-encoded as UTF-8.
+
+    In the path (``path=True``) existing escapes are normalized as the AdCP verifier does
+    (RFC 3986 §6.2.2.2): hex uppercased, escaped unreserved characters decoded. The query
+    keeps its escapes byte for byte, as ``@target-uri`` requires.
+    """
+    if _STRAY_PERCENT.search(text):
+        raise OutboxValidationError("url", "has a '%' that does not start a %XX escape: write it as %25")
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == "%":
+            escape = text[i : i + 3]
+            decoded = chr(int(escape[1:], 16))
+            out.append((decoded if decoded in _UNRESERVED else escape.upper()) if path else escape)
+            i += 3
+            continue
+        out.append(char if char in safe else _escape(char))
+        i += 1
+    return "".join(out)
+
+
+def _remove_dot_segments(path: str) -> str:
+    """RFC 3986 §5.2.4 for an absolute path: what ``.`` and ``..`` segments mean."""
+    output: list[str] = []
+    segments = path.split("/")[1:]
+    for index, segment in enumerate(segments):
+        last = index == len(segments) - 1
+        if segment == "..":
+            if len(output) > 0:
+                output.pop()
+        elif segment != ".":
+            output.append(segment)
+            continue
+        if last:
+            output.append("")  # "/a/.." and "/a/." end in a slash
+    return "/" + "/".join(output)
+
+
+def _canonical_path(path: str) -> str:
+    for segment in path.split("/"):
+        if "%" in segment and _ESCAPED_DOT.sub(".", segment) in (".", ".."):
+            # The verifier removes literal dot segments before it decodes %2E, so no
+            # spelling of this path can be both sent and verified; servers disagree on it too.
+            raise OutboxValidationError("url", "has a dot segment spelled with %2E: write the path without it")
+    return _remove_dot_segments(_normalize_escapes(path, _PATH_SAFE, path=True)) if path else "/"
+
+
+def canonicalize_url(url: str) -> str:
+    """The AdCP canonical form of a webhook URL (docs/protocol.md "Signing" ``@target-uri``), also what is sent.
+
+    Lowercase scheme and host, UTS-46 IDN, default port and one trailing dot stripped. The
+    path is normalized the way the AdCP verifier normalizes what arrives (percent-escapes
+    uppercased, escaped unreserved characters decoded, dot segments removed, an empty path
+    made ``/``); the query is kept byte for byte. Characters that are not legal in a URI
+    (non-ASCII, ``"<>[]^`{|}``) are percent-encoded as UTF-8, as RFC 3987 §3.1 maps an IRI
+    to a URI, so httpx has nothing left to escape. The result is a fixed point of both the
+    verifier's canonicalization and httpx's URL encoding: the daemon POSTs exactly this
+    string and the receiver rebuilds exactly it (see README "URL rules").
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -143,8 +214,9 @@ def canonicalize_url(url: str) -> str:
     netloc = f"[{host}]" if ":" in host else host
     if port is not None and port != _DEFAULT_PORTS.get(scheme):
         netloc = f"{netloc}:{port}"
-    path = _PERCENT.sub(lambda m: m.group(0).upper(), parts.path) or "/"
-    return urlunsplit((scheme, netloc, path, parts.query, ""))
+    path = _canonical_path(parts.path)
+    query = _normalize_escapes(parts.query, _QUERY_SAFE, path=False)
+    return urlunsplit((scheme, netloc, path, query, ""))
 
 
 def authority(canonical_url: str) -> str:
@@ -182,10 +254,9 @@ def validate_destination(
         raise OutboxValidationError("url", f"longer than {MAX_URL_LENGTH} characters")
     if _BAD_CHARS.search(url):
         raise OutboxValidationError("url", "contains whitespace or control characters")
-    path_and_query = url.split("://", 1)[-1].partition("/")[2]
-    if not path_and_query.isascii():
-        # An RFC 9421 signature base is ASCII: percent-encode path and query (IDN hosts are fine).
-        raise OutboxValidationError("url", "path or query has non-ASCII characters: percent-encode them")
+    if "\\" in url:
+        # WHATWG URL parsers read a backslash as "/", RFC 3986 ones as data: no one form means both.
+        raise OutboxValidationError("url", "contains a backslash: write '/' or %5C")
     try:
         parts = urlsplit(url)
     except ValueError as exc:
@@ -202,6 +273,8 @@ def validate_destination(
     if not parts.hostname:
         raise OutboxValidationError("url", "has no host")
     canonical = canonicalize_url(url)
+    if len(canonical) > MAX_URL_LENGTH:
+        raise OutboxValidationError("url", f"longer than {MAX_URL_LENGTH} characters once percent-encoded")
     host = urlsplit(canonical).hostname or ""
     try:
         address = ipaddress.ip_address(host)

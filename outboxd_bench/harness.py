@@ -25,7 +25,8 @@ TENANTS = 10
 SETTLE_SECONDS = 1.0  # after "daemon.started": let LISTEN connect before work is committed
 SHUTDOWN_GRACE = 2.0
 BENCH_KEY_ID = "outboxd-bench"
-OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers")
+OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
+                 "outbox_breaker_transitions")
 # The operator's knobs, passed through from the configured settings: the daemons run with
 # whatever the operator runs (the defaults, unless tuned).
 PASS_THROUGH = ("concurrency", "endpoint_concurrency", "claim_batch", "poll_interval_seconds",

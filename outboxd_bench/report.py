@@ -8,6 +8,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from outboxd_bench.scale import DUE_INDEX
+
 NOISY_SHARE = 0.15  # above this share of the box taken by others, a phase's figures are flagged
 # throughput case -> label; each is compared with the best bare-loop run
 CASES = {"throughput_one_origin": "one origin, 10 tenants", "throughput_shared_origin": "shared origin",
@@ -106,7 +108,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
          0.8 <= f["claim_time_ratio"] <= 1.2),
         (f"gauge queries within +-20% with {o['scale_rows']:,} delivered rows", f["gauges_time_ratio"], "0.8..1.2",
          0.8 <= f["gauges_time_ratio"] <= 1.2),
-        ("claim plan uses outbox_messages_due_idx (empty and scaled)",
+        (f"claim plan uses {DUE_INDEX} (empty and scaled)",
          f"{ph['scale']['empty']['uses_due_idx']}/{ph['scale']['scaled']['uses_due_idx']}", "True/True",
          ph["scale"]["empty"]["uses_due_idx"] and ph["scale"]["scaled"]["uses_due_idx"]),
         ("daemon RSS <= 200 MB with 10,000 due", f["rss_mb_10k_due"], "<= 200 MB", f["rss_mb_10k_due"] <= 200),

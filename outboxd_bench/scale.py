@@ -2,8 +2,9 @@
 table vs none, by ``EXPLAIN (ANALYZE, BUFFERS)`` and timed from the client, and the daemon's
 gauge sampler timed from the client in both cases.
 
-The claim reads the partial index of pending rows (``outbox_messages_due_idx``), so its cost
-must not grow with history; the plan says whether it still does, the times how much. The
+The claim walks the partial index of pending rows per endpoint
+(``outbox_messages_endpoint_due_idx``, outbox/store.py), so its cost must not grow with
+history; the plan says whether it still does, the times how much. The
 gauges must not grow either (the scheduling work, issue 10, makes them read live rows only).
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from outboxd_bench.harness import Bench
 
+DUE_INDEX = "outbox_messages_endpoint_due_idx"  # outbox/schema.py: what the claim must read
 SCALE_DUE_ROWS = 1_000  # pending rows present in both cases, so the claim has work
 SCALE_REPEATS = 31
 SCALE_WARMUP = 3
@@ -83,7 +85,7 @@ def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
         "execution_ms_samples": executions, "planning_ms_samples": plannings, "client_wall_ms_samples": walls,
         "shared_buffers_hit": int(statistics.median(buffers)),
         "gauges_ms": round(statistics.median(gauges), 3), "gauges_ms_samples": gauges,
-        "uses_due_idx": "outbox_messages_due_idx" in plan, "plan": plan,
+        "uses_due_idx": DUE_INDEX in plan, "plan": plan,
         "insert_seconds": round(insert_seconds, 1), "table_mb": round(size / 1e6, 1),
     }
 
@@ -93,12 +95,11 @@ def _claim_limit(bench: Bench) -> int:
 
 
 def _claim_params(bench: Bench) -> dict[str, Any]:
-    """What the daemon binds (outbox/store.py, ``claim``) with the configured settings. Both
-    shapes of the claim are served: origins skipped by the caller (``busy``), or the per-origin
-    cap inside the statement (``cap``, ``done``, issue 10); a statement ignores the others."""
+    """What the daemon binds (outbox/store.py, ``claim``) with the configured settings: the
+    per-origin cap ``OUTBOX_ENDPOINT_CONCURRENCY`` and no in-flight request already over."""
     return {"limit": _claim_limit(bench), "lease": bench.settings.lease_seconds,
             "horizon": bench.settings.retry_horizon_seconds, "daemon": "bench", "token": uuid.uuid4().hex,
-            "busy": [], "cap": bench.settings.endpoint_concurrency, "done": "[]"}
+            "cap": bench.settings.endpoint_concurrency, "done": "[]"}
 
 
 def _explain(bench: Bench, name: str, params: dict[str, Any]) -> tuple[float, float, list[str]]:

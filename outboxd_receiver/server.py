@@ -6,7 +6,9 @@ Paths (one process can play healthy, flaky, hostile and hanging buyers at once):
     /flaky/N[/CODE]       CODE (default 503) for the first N arrivals of each key, then 200
     /status/CODE          always CODE (401 carries a webhook_signature_invalid challenge)
     /hang                 accepts and never answers
-    /chaos/PCT            PCT % of requests fail at random: 500, slow, reset or hang
+    /delay/MS             200 after MS milliseconds
+    /chaos/PCT[/MAX]      PCT % of requests fail at random: 500, slow, reset or hang
+                          (at most MAX times per idempotency key, if given)
 
 Loopback only: it binds 127.0.0.1, over plain HTTP or TLS (``ssl_context``).
 """
@@ -36,6 +38,7 @@ class Receiver:
         self._scheme = scheme
         self._log = log
         self._seen: Counter[str] = Counter()
+        self._chaos_given: Counter[str] = Counter()
         self._random = random.Random(seed)
         self.arrivals = 0
         self.failures = 0
@@ -80,9 +83,13 @@ class Receiver:
             status = int(parts[1])
             if status == 401:
                 extra = 'WWW-Authenticate: Signature error="webhook_signature_invalid"\r\n'
+        elif parts[0] == "delay":
+            await asyncio.sleep(int(parts[1]) / 1000)
         elif parts[0] == "hang":
             status = None
-        elif parts[0] == "chaos" and self._random.random() * 100 < float(parts[1]):
+        elif (parts[0] == "chaos" and self._random.random() * 100 < float(parts[1])
+              and (len(parts) < 3 or self._chaos_given[key] < int(parts[2]))):
+            self._chaos_given[key] += 1
             status = await self._chaos(writer)
         if self._log is not None:
             self._log.write(json.dumps({

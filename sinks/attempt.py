@@ -15,7 +15,7 @@ OUTCOMES = ("success", "failed", "timeout", "connection_error", "circuit_open", 
 
 @dataclass(frozen=True)
 class DeliveryAttempt:
-    """One attempt (or one circuit-open skip) at delivering one message."""
+    """One HTTP attempt at delivering one message (or one cut short by a crash: ``abandoned``)."""
 
     message_id: int
     tenant_id: str

@@ -1,1 +1,5 @@
 """The ``outboxd`` daemon: scheduling, signing, HTTP sending, retries, breakers, metrics, CLI."""
+
+#: Marks this ``supervisor`` as outboxd's: supervisord's PyPI package has the same import
+#: name, and ``outbox.entry`` checks this before running the CLI (README, "Layout").
+OUTBOXD_PACKAGE = True

@@ -7,6 +7,7 @@ the attempt and the message's new state are written together in one transaction.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 from outbox import protocol
@@ -17,7 +18,7 @@ from outbox.sealing import SealError, unseal
 from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor.classify import Verdict, classify_response, classify_transport_error
-from supervisor.signing import CONTENT_TYPE, KeyResolver, bearer_headers, hmac_headers, signature_headers
+from supervisor.signing import CONTENT_TYPE, Clock, KeyResolver, bearer_headers, hmac_headers, signature_headers
 from supervisor.transport import HttpSender
 
 
@@ -26,14 +27,15 @@ class Outcome:
     """What happened to one leased message, ready to be recorded."""
 
     message: Claimed
-    action: str  # delivered | retry | dead | skip (circuit open) | release (over the endpoint's limit)
-    outcome: str  # attempt outcome: success | failed | timeout | connection_error | circuit_open | abandoned
+    # delivered | retry | dead, or, with no request made and no attempt row: expire (past
+    # its horizon when claimed) | release (the half-open probe went to another daemon)
+    action: str
+    outcome: str  # attempt outcome: success | failed | timeout | connection_error | abandoned
     reason: str | None = None  # dead reason
     http_status: int | None = None
     error: str | None = None
     response_time_ms: int | None = None
     retry_after: float | None = None
-    defer_seconds: float | None = None  # skip: when to look again
     sent: bool = False  # a request was made: counts for the circuit breaker
 
     @classmethod
@@ -72,7 +74,8 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
     return None, url
 
 
-def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver) -> dict[str, str]:
+def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver,
+                 clock: Clock = time.time) -> dict[str, str]:
     """Transport metadata for this attempt: the only thing that changes between attempts.
 
     RFC 9421 unless the buyer registered legacy ``authentication`` — never both (docs/protocol.md "Legacy credentials").
@@ -84,25 +87,29 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolv
             key = keys.resolve(message.tenant_id)
         except ConfigurationError as exc:
             raise PreparationError(str(exc)) from None
-        return signature_headers(key, url=url, body=message.body)
+        return signature_headers(key, url=url, body=message.body, clock=clock)
     if settings.encryption_key is None:
         raise PreparationError("legacy credentials stored but OUTBOX_ENCRYPTION_KEY is not set")
     assert message.auth_secret is not None
     secret = unseal(settings.encryption_key, message.auth_secret, message.idempotency_key.encode())
     if message.auth_mode == "hmac":
-        return {"Content-Type": CONTENT_TYPE, **hmac_headers(secret, message.body)}
+        return {"Content-Type": CONTENT_TYPE, **hmac_headers(secret, message.body, clock=clock)}
     return {"Content-Type": CONTENT_TYPE, **bearer_headers(secret.decode())}
 
 
-async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender) -> Outcome:
-    """Make one attempt; never raises for anything the message or the receiver does."""
-    if message.claimed_at >= message.retry_until:
-        return Outcome.dead(message, "expired", "retry horizon passed")
+async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender,
+                  clock: Clock = time.time) -> Outcome:
+    """Make one attempt; never raises for anything the message or the receiver does.
+
+    ``clock`` stamps the signature; the daemon passes its database-corrected one.
+    """
+    if message.claimed_at >= message.retry_until:  # never send past enqueue + horizon
+        return Outcome(message, "expire", "expired", reason="expired", error="retry horizon passed")
     problem, url = integrity_problem(message, settings)
     if problem is not None:
         return Outcome.dead(message, "invalid", problem)
     try:
-        headers = auth_headers(message, url, settings, keys)
+        headers = auth_headers(message, url, settings, keys, clock)
     except SealError as exc:
         return Outcome.dead(message, "invalid", str(exc))
     except PreparationError as exc:
@@ -118,5 +125,5 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, se
     return Outcome(
         message, verdict.action, verdict.outcome, reason=verdict.reason, http_status=result.status,
         error=error[:200] if error else None, response_time_ms=result.elapsed_ms,
-        retry_after=verdict.retry_after, sent=result.error_kind != "blocked",
+        retry_after=verdict.retry_after, sent=result.sent,
     )

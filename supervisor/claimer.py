@@ -1,16 +1,16 @@
 """Leases due messages and starts their attempts, within the concurrency limits.
 
-It holds the in-flight accounting: a global cap (``OUTBOX_CONCURRENCY``, which also counts
-outcomes still waiting for the completer, since they hold leases too) and a per-origin cap
-(``OUTBOX_ENDPOINT_CONCURRENCY``). An origin at its cap is excluded from the next claim,
-so a slow or hanging endpoint holds at most its own share of slots and never makes other
-tenants' messages wait behind it.
+The per-origin cap (``OUTBOX_ENDPOINT_CONCURRENCY``) and the breakers are applied inside
+the claim statement (:func:`outbox.store.claim`): it counts this daemon's in-flight rows
+per origin, so a slow or hanging endpoint holds at most its own share of slots, never
+makes other tenants' messages wait behind it, and nothing claimed has to be handed back.
+This module holds the global cap (``OUTBOX_CONCURRENCY``, which also counts outcomes still
+waiting for the completer, since they hold leases too) and takes the half-open probe.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -25,14 +25,17 @@ from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
 
 Attempt = Callable[[Claimed], Awaitable[Outcome]]
-HALF_OPEN_RECHECK_SECONDS = 1.0
 BACKLOG_RECHECK_SECONDS = 0.05
+# After a partial claim, wake-ups (requests ending, flushes, NOTIFYs) within this long are
+# served by one claim, not one each.
+CLAIM_COOLDOWN_SECONDS = 0.005
 
 
 class Claimer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
                  attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard,
-                 backlog: Callable[[], int] = lambda: 0) -> None:
+                 backlog: Callable[[], int] = lambda: 0,
+                 unrecorded: Callable[[], list[int]] = lambda: []) -> None:
         self._engine = engine
         # PostgreSQL: single statements in autocommit, no BEGIN/COMMIT round trips. SQLite
         # keeps its BEGIN IMMEDIATE transactions (the driver's autocommit mode and ours clash).
@@ -42,13 +45,13 @@ class Claimer:
         # concurrency they count against it, so a completer that falls behind slows claiming
         # instead of letting leases pile up (a crash would resend every one of them).
         self._backlog = backlog
+        self._unrecorded = unrecorded  # leased messages whose request is over (no slot held)
         self._settings = settings
         self._daemon_id = daemon_id
         self._metrics = metrics
         self._attempt = attempt
         self._submit = submit
         self._outage = outage
-        self._per_origin: Counter[str] = Counter()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._stopping = False
@@ -59,7 +62,7 @@ class Claimer:
         return len(self._tasks)
 
     def wake(self) -> None:
-        """Something may be due now (a NOTIFY, a freed slot)."""
+        """Something may be due now (a NOTIFY, a freed slot, recorded outcomes)."""
         self._wake.set()
 
     def stop(self) -> None:
@@ -81,16 +84,18 @@ class Claimer:
                 if len(batch) == limit:
                     self._outage.ok()
                     continue  # more may be due: claim again at once
-                if not batch:  # idle: sleep until the earliest scheduled retry, at most a poll
+                if not batch and not self._tasks:  # idle: sleep until the earliest retry, at most a poll
                     next_due, now = await self._next_due()
                     if next_due is not None and next_due > now:
                         timeout = min(timeout, next_due - now)
-                # A partial batch took everything due; a NOTIFY or the poll brings the rest.
+                # A partial batch took everything that may go now; a request ending, a flush,
+                # a NOTIFY or the poll brings the rest.
                 self._outage.ok()
             except Exception as exc:
                 await self._outage.failed("claim messages", exc)
                 continue
             await self._sleep(timeout)
+            await asyncio.sleep(CLAIM_COOLDOWN_SECONDS)
 
     async def _sleep(self, timeout: float) -> None:
         try:
@@ -100,45 +105,34 @@ class Claimer:
         self._wake.clear()
 
     async def _claim(self, limit: int) -> list[Claimed]:
-        busy = [o for o, n in self._per_origin.items() if n >= self._settings.endpoint_concurrency]
         async with self._autocommit.begin() as conn:
             batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
                                       horizon_seconds=self._settings.retry_horizon_seconds,
-                                      daemon_id=self._daemon_id, busy_origins=busy)
+                                      daemon_id=self._daemon_id,
+                                      endpoint_concurrency=self._settings.endpoint_concurrency,
+                                      done_ids=self._unrecorded())
         self._metrics.claim_batch.observe(len(batch))
-        probes: dict[tuple[str, str], bool] = {}
         for message in batch:
-            gate = await self._gate(message, probes)
-            if gate is not None:
-                self._submit(gate)
-                continue
-            if self._per_origin[message.origin or ""] >= self._settings.endpoint_concurrency:
-                # One claim may return more of an endpoint than it may have in flight: hand
-                # the rest back untouched (no attempt made, none counted, due again now).
+            if not await self._may_send(message):
+                # Another daemon took this endpoint's half-open probe between our claim and
+                # now: hand the message back untouched (no attempt made, none counted).
                 self._submit(Outcome(message, "release", "released"))
                 continue
-            self._per_origin[message.origin or ""] += 1
             self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))
         self._metrics.in_flight.set(self.in_flight)
         return batch
 
-    async def _gate(self, message: Claimed, probes: dict[tuple[str, str], bool]) -> Outcome | None:
-        """``None`` if the message may be sent now, else the circuit-open skip to record."""
-        state = message.breaker_state
-        if state is None or state == CircuitState.CLOSED.value:
-            return None
-        now = message.claimed_at
-        if state == CircuitState.OPEN.value and (message.breaker_open_until or 0.0) > now:
-            return Outcome(message, "skip", "circuit_open", error="circuit open",
-                           defer_seconds=(message.breaker_open_until or now) - now)
-        key = (message.tenant_id, message.origin or "")
-        if key not in probes:  # open period over: one probe at a time goes (half-open)
-            async with self._autocommit.begin() as conn:
-                probes[key] = await store.acquire_probe(conn, key[0], key[1], self._settings.lease_seconds)
-            if probes[key]:
-                return None
-        return Outcome(message, "skip", "circuit_open", error="circuit half-open: probe in flight",
-                       defer_seconds=HALF_OPEN_RECHECK_SECONDS)
+    async def _may_send(self, message: Claimed) -> bool:
+        """Whether the message may go now: always, unless it is its endpoint's probe.
+
+        The claim returns an endpoint whose breaker is open or half-open only once the
+        open period is over, and then one message: it goes if this daemon wins the probe.
+        """
+        if message.breaker_state in (None, CircuitState.CLOSED.value):
+            return True
+        async with self._autocommit.begin() as conn:
+            return await store.acquire_probe(conn, message.tenant_id, message.origin or "",
+                                             self._settings.lease_seconds)
 
     async def _run_attempt(self, message: Claimed) -> None:
         try:
@@ -150,17 +144,10 @@ class Claimer:
             self._log.exception("attempt.crashed", message_id=message.id)
             outcome = Outcome(message, "retry", "failed", error=f"internal error: {type(exc).__name__}")
         finally:
-            origin = message.origin or ""
-            was_limited = (self.in_flight >= self._settings.concurrency
-                           or self._per_origin[origin] >= self._settings.endpoint_concurrency)
-            self._per_origin[origin] -= 1
-            if self._per_origin[origin] <= 0:
-                del self._per_origin[origin]
             self._tasks.pop(message.id, None)
             self._metrics.in_flight.set(self.in_flight)
             self._submit(outcome)  # noqa: B012 - recorded even when cancelled
-            if was_limited:  # a claim was held back for this slot: look again now
-                self._wake.set()
+            self._wake.set()  # a slot (global and of its origin) is free: look again
 
     async def _next_due(self) -> tuple[float | None, float]:
         async with self._autocommit.begin() as conn:

@@ -321,6 +321,9 @@ _TRANSPORT_VERDICTS: dict[str, Verdict] = {
     # docs/protocol.md "Destinations (SSRF)": the destination resolved to a blocked address (or is not allowed at all).
     # Nothing was sent; retrying cannot help. No address is echoed (docs/protocol.md "Destinations (SSRF)").
     "blocked": Verdict("dead", "blocked", "connection_error", None, "destination blocked"),
+    # The request httpx would send does not carry the signed @target-uri: the buyer would
+    # answer webhook_signature_invalid. Nothing was sent; the stored URL itself is at fault.
+    "invalid": Verdict("dead", "invalid", "failed", None, "request target differs from the signed URL"),
 }
 
 
@@ -329,7 +332,8 @@ def classify_transport_error(error_kind: str) -> Verdict:
 
     ``"timeout"`` → retry (activity status ``timeout``); ``"connection_error"`` and
     ``"protocol_error"`` → retry (``connection_error``); ``"blocked"`` (SSRF policy refused
-    the destination, docs/protocol.md "Destinations (SSRF)") → dead ``blocked``. An unknown kind is retried as a
+    the destination, docs/protocol.md "Destinations (SSRF)") → dead ``blocked``; ``"invalid"``
+    (the request target would not be the signed one) → dead ``invalid``. An unknown kind is retried as a
     ``connection_error``: at-least-once delivery prefers a resend to a silent drop.
     """
     verdict = _TRANSPORT_VERDICTS.get(error_kind)
@@ -350,8 +354,10 @@ class RetryPolicy:
     comes after 2–2.5 s and the fourth attempt lands within ~18 s. The spec gives no numeric
     schedule; the ceiling is the retry horizon, enforced by the caller.
 
-    Jitter is add-only (up to +25 %): a delay is never shorter than the schedule, so the
-    sequence stays non-decreasing and a receiver is never hit earlier than planned.
+    Jitter is add-only (up to +25 %): a delay is never shorter than the schedule, so a
+    receiver is never hit earlier than planned. ``max_delay_seconds`` caps the schedule,
+    and the jitter goes on top of the cap too (so a capped delay is at most 1.25 × the
+    cap): otherwise every message at the cap would retry in lockstep.
     """
 
     base_delay_seconds: float = 2.0
@@ -368,11 +374,11 @@ class RetryPolicy:
         """Seconds to wait before the next attempt, after ``attempts_made`` failed ones.
 
         ``base * 2**(attempts_made - 1)`` capped at ``max_delay_seconds``, plus jitter of
-        up to 25 % of that (still capped). ``attempts_made < 1`` is treated as 1.
+        up to 25 % of that. ``attempts_made < 1`` is treated as 1.
         """
         exponent = min(max(attempts_made, 1) - 1, 64)  # 2**64 * base is past any sane cap
         delay = min(self.base_delay_seconds * float(2**exponent), self.max_delay_seconds)
         if self.jitter:
             fraction = (rng if rng is not None else random).random()
-            delay = min(delay * (1.0 + 0.25 * fraction), self.max_delay_seconds)
+            delay *= 1.0 + 0.25 * fraction
         return delay

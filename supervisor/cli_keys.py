@@ -13,7 +13,7 @@ from supervisor.cli_common import Subcommands, UserError
 
 
 def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
-    from supervisor.signing import ALG_ED25519, ALG_ES256, generate_signing_key_pem, load_signing_key
+    from supervisor.signing import ALG_ED25519, ALG_ES256, generate_signing_key_pem, jwks_document
 
     if args.action == "generate":
         out = Path(args.out)
@@ -27,16 +27,8 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
         kid = args.kid or f"outboxd-{datetime.now(timezone.utc):%Y%m%d}"
         print(f"wrote {out} (mode 0600); use OUTBOX_SIGNING_KEY_FILE={out} OUTBOX_SIGNING_KEY_ID={kid}")
         return 0
-    files = args.key or ([f"{settings.signing_key_file}={settings.signing_key_id or ''}"]
-                         if settings.signing_key_file else [])
-    files += [f"{f}={k}" for f, k in settings.tenant_signing_keys.values()]
-    if not files:
-        raise UserError("no key: pass --key FILE=KID or set OUTBOX_SIGNING_KEY_FILE / OUTBOX_SIGNING_KEY_ID")
-    keys = []
-    for spec in dict.fromkeys(files):
-        path, _, kid = spec.partition("=")
-        keys.append(load_signing_key(path, kid or None).public_jwk())
-    print(json.dumps({"keys": keys}, indent=2))
+    specs = [(path, kid or None) for path, _, kid in (spec.partition("=") for spec in args.key or ())]
+    print(json.dumps(jwks_document(settings, specs), indent=2))
     return 0
 
 

@@ -92,6 +92,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
               "so it may act on the message twice", file=sys.stderr)
     result = with_engine(settings, lambda engine: replay(
         engine, ids=args.ids, filters=filters_of(args) if filtered else None, force=args.force,
+        horizon_seconds=settings.retry_horizon_seconds,
         dry_run=args.dry_run, progress=None if args.json else
         lambda done, total: print(f"replayed {done}/{total}", file=sys.stderr)))
     if args.json:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -27,7 +27,7 @@ from outbox.urls import without_query
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
 from supervisor.attempt import Outcome
-from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
+from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
 from supervisor.classify import RetryPolicy
 from supervisor.metrics import Metrics, status_class
 from supervisor.outage import OutageGuard
@@ -35,6 +35,22 @@ from supervisor.outage import OutageGuard
 FLUSH_INTERVAL = 0.02
 FLUSH_MAX = 200
 REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, then left to its lease
+# A retry whose back-off would pass the horizon gets one last attempt this long before it
+# (time for a claim and a full request), instead of being given up at once.
+LAST_TRY_MARGIN_SECONDS = 60.0
+UNSENT = ("expire", "release")  # claimed but not sent: no attempt made, none counted or logged
+
+
+def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
+    """When to try again after a failure, or ``None`` when the horizon leaves no more tries.
+
+    Never past the horizon: a back-off that would overshoot it becomes one last attempt
+    ``LAST_TRY_MARGIN_SECONDS`` before it; a failure of that last attempt is final.
+    """
+    last = horizon_end - LAST_TRY_MARGIN_SECONDS
+    if now + delay <= last:
+        return now + delay
+    return last if now < last else None
 
 
 @dataclass(frozen=True)
@@ -46,15 +62,22 @@ class Policies:
     def from_settings(cls, settings: Settings) -> "Policies":
         return cls(
             RetryPolicy(settings.retry_base_seconds, settings.retry_max_seconds),
-            CircuitBreakerPolicy(settings.breaker_failure_threshold, settings.breaker_success_threshold,
-                                 settings.breaker_open_seconds, settings.breaker_max_open_seconds),
+            CircuitBreakerPolicy(
+                failure_threshold=settings.breaker_failure_threshold,
+                success_threshold=settings.breaker_success_threshold,
+                open_timeout_seconds=settings.breaker_open_seconds,
+                max_open_timeout_seconds=settings.breaker_max_open_seconds,
+                failure_ratio=settings.breaker_failure_ratio, window_seconds=settings.breaker_window_seconds),
         )
 
 
 class Completer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
-                 fanout: SinkFanout, outage: OutageGuard) -> None:
+                 fanout: SinkFanout, outage: OutageGuard, on_recorded: Callable[[], None] = lambda: None) -> None:
         self._engine = engine
+        # Recording frees per-origin capacity (the claim counts this daemon's in-flight
+        # rows): tell the claimer, or it would sleep out its poll interval with work due.
+        self._on_recorded = on_recorded
         self._settings = settings
         self._policies = Policies.from_settings(settings)
         self._daemon_id = daemon_id
@@ -66,11 +89,26 @@ class Completer:
         # holds while it records them: drain() must neither miss nor race that batch.
         self._taken: list[Outcome] = []
         self._recording = 0  # outcomes in the flush under way
+        self._unrecorded: set[int] = set()
         self._flushing = asyncio.Lock()
         self._log = structlog.get_logger("outboxd.completer")
 
     def submit(self, outcome: Outcome) -> None:
+        if outcome.action != "retry":  # a failure's slot frees once the breaker has judged it
+            self._unrecorded.add(outcome.message.id)
         self._queue.put_nowait(outcome)
+
+    @property
+    def unrecorded_ids(self) -> list[int]:
+        """Messages whose request is over but whose outcome is not recorded yet.
+
+        Their rows are still ``in_flight``; the claim does not count them against their
+        origin's capacity (no request of theirs is open), so a slot frees when the request
+        ends, not a flush later. Retryable failures are left out: their slot frees when
+        they are recorded, so an endpoint that fails everything gets no more requests than
+        its breaker's threshold plus one round of its concurrency before it trips.
+        """
+        return list(self._unrecorded)
 
     @property
     def backlog(self) -> int:
@@ -144,6 +182,7 @@ class Completer:
             await self._flush_until_done(batch, tries=tries - 1)
             return
         m = batch[0].message
+        self._unrecorded.discard(m.id)  # left to its lease: the rescuer hands it back
         self._log.error("outcome.unrecorded", message_id=m.id, idempotency_key=m.idempotency_key, attempt=m.attempt,
                         outcome=batch[0].outcome, error=type(refused).__name__,
                         detail=(str(getattr(refused, "orig", None) or refused).splitlines() or [""])[0][:200],
@@ -166,6 +205,8 @@ class Completer:
             await store.insert_attempts(conn, [record.as_row() for completion, record in plans
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
+        self._unrecorded.difference_update(o.message.id for o in batch)
+        self._on_recorded()
         self._after_commit(batch, plans, applied, transitions, now)
 
     def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
@@ -174,21 +215,21 @@ class Completer:
         state, reason, next_at, delta = "pending", None, None, 0
         if o.action == "delivered":
             state = "delivered"
-        elif o.action == "dead":
+        elif o.action in ("dead", "expire"):
             state, reason = "dead", o.reason
-        elif o.action == "skip":
-            next_at, delta = now + (o.defer_seconds or 1.0), -1
         elif o.action == "release":
-            next_at, delta = now, -1
-        else:  # retry, or abandoned at shutdown
-            delay = self._policies.retry.delay_for_attempt(m.attempt)
-            next_at = now + max(delay, o.retry_after or 0.0)
-            if o.outcome == "abandoned":
-                next_at = now
-            elif next_at >= m.retry_until:  # never send after first attempt + horizon (protocol.md, "Retry horizon")
-                state, reason, next_at = "dead", "expired", None
+            next_at = now
+        elif o.outcome == "abandoned":  # interrupted at shutdown: due again at once
+            next_at = now
+        else:  # retry
+            delay = max(self._policies.retry.delay_for_attempt(m.attempt), o.retry_after or 0.0)
+            next_at = retry_at(now, delay, m.retry_until)
+            if next_at is None:
+                state, reason = "dead", "expired"
+        if o.action in UNSENT:
+            delta = -1
         completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, o.error)
-        if o.action == "release":
+        if o.action in UNSENT:
             return completion, None
         record = DeliveryAttempt(
             message_id=m.id, tenant_id=m.tenant_id, url=without_query(m.url), attempt_number=m.attempt,
@@ -202,6 +243,11 @@ class Completer:
 
     async def _update_breakers(self, conn, batch: Sequence[Outcome], applied: set[int], now: float
                                ) -> list[tuple[str, str]]:
+        """Fold this batch's request outcomes into the breakers: O(1) writes per endpoint.
+
+        A row is written only when it changes; a trip writes the row and one transition
+        row, nothing per message (the claim passes over an open endpoint).
+        """
         per_key: dict[tuple[str, str], list[bool]] = defaultdict(list)
         for o in batch:
             if o.sent and o.message.id in applied and o.message.origin:
@@ -213,29 +259,25 @@ class Completer:
         per_key = {k: v for k, v in per_key.items() if k in had_row or not all(v)}
         if not per_key:
             return []
+        await store.ensure_breakers(conn, [k for k in per_key if k not in had_row])
         rows = await store.lock_breakers(conn, per_key)
-        changed, transitions = [], []
+        changed, transitions, logged = [], [], []
         for key, results in per_key.items():
-            row = rows.get(key)
-            if row is None and all(results):
-                continue
-            new, moved = apply_outcomes(row or closed_row(*key), results, now=now, policy=self._policies.breaker)
+            row = rows.get(key) or closed_row(*key)
+            new, moved = apply_outcomes(row, results, now=now, policy=self._policies.breaker)
             if new != row:
                 changed.append(new)
-            transitions.extend(moved)
+            attempts, failures = window_counts(row, now, self._policies.breaker.window_seconds)
             for before, after in moved:
+                transitions.append((before, after))
+                logged.append({"tenant_id": key[0], "origin": key[1], "from_state": before, "to_state": after,
+                               "window_attempts": attempts + len(results), "window_failures":
+                               failures + results.count(False), "open_until": new["open_until"],
+                               "daemon_id": self._daemon_id, "occurred_at": now})
                 self._log.warning("breaker.transition", tenant_id=key[0], origin=key[1], from_state=before,
-                                  to_state=after, open_until=new["open_until"])
+                                  to_state=after, open_until=new["open_until"], trips=new["trips"])
         await store.save_breakers(conn, changed)
-        for row in changed:
-            if row["state"] == "open" and (row["tenant_id"], row["origin"]) in per_key:
-                # Move the endpoint's backlog past the open period, so claims stop scanning
-                # over messages they may not send (no attempt is made or counted).
-                moved = await store.defer_endpoint(conn, row["tenant_id"], row["origin"], row["open_until"],
-                                                   self._daemon_id)
-                if moved:
-                    self._log.info("breaker.deferred", tenant_id=row["tenant_id"], origin=row["origin"],
-                                   messages=moved, until=row["open_until"])
+        await store.insert_transitions(conn, logged)
         return transitions
 
     def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
@@ -245,17 +287,18 @@ class Completer:
             metrics.breaker_transitions.labels(from_state=before, to_state=after).inc()
         for o, (completion, record) in zip(batch, plans):
             m = o.message
-            if record is None:  # released unattempted: nothing happened worth a metric or a log
-                continue
             labels = metrics.tenant_labels(m.tenant_id)
-            metrics.attempts.labels(outcome=o.outcome, status_class=status_class(o.http_status), **labels).inc()
-            if o.response_time_ms is not None:
-                metrics.attempt_duration.observe(o.response_time_ms / 1000)
+            if record is not None:  # a request was made (or refused before sending): count it
+                metrics.attempts.labels(outcome=o.outcome, status_class=status_class(o.http_status), **labels).inc()
+                if o.response_time_ms is not None:
+                    metrics.attempt_duration.observe(o.response_time_ms / 1000)
             if m.id not in applied:
-                self._log.warning("lease.lost", message_id=m.id, idempotency_key=m.idempotency_key,
-                                  attempt=m.attempt, outcome=o.outcome)
+                if record is not None:
+                    self._log.warning("lease.lost", message_id=m.id, idempotency_key=m.idempotency_key,
+                                      attempt=m.attempt, outcome=o.outcome)
                 continue
-            self._fanout.publish(record)
+            if record is not None:
+                self._fanout.publish(record)
             if completion.state == "delivered":
                 metrics.deliveries.labels(outcome="delivered", **labels).inc()
                 metrics.commit_to_delivery.observe(max(now - m.created_at, 0.0))

@@ -30,6 +30,7 @@ from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
 from supervisor.attempt import attempt
 from supervisor.claimer import Claimer
+from supervisor.clock import DatabaseClock
 from supervisor.completer import Completer
 from supervisor.health import HealthServer
 from supervisor.maintenance import Maintenance
@@ -85,11 +86,15 @@ class Daemon:
                                  timeout=settings.sink_timeout_seconds,
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
         self.completer = Completer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
-                                   fanout=self.fanout, outage=self.outage)
+                                   fanout=self.fanout, outage=self.outage,
+                                   on_recorded=lambda: self.claimer.wake())
+        self.clock = DatabaseClock()
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
-                               attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender),
+                               attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender,
+                                                         clock=self.clock),
                                submit=self.completer.submit, outage=self.outage,
-                               backlog=lambda: self.completer.backlog)
+                               backlog=lambda: self.completer.backlog,
+                               unrecorded=lambda: self.completer.unrecorded_ids)
         self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine))
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
@@ -147,7 +152,9 @@ class Daemon:
             self.metrics_address = await self.health.start(self.settings.metrics_addr)
         ready = False
         try:
-            ready = await self.wait_for_schema(stop)
+            if await self.wait_for_schema(stop):
+                await self.clock.measure(self.engine)  # ClockOffsetError: never sign with a clock receivers reject
+                ready = True
         finally:
             if not ready:  # stopped while waiting, or refused: nothing else was started
                 await self.health.close()
@@ -159,7 +166,10 @@ class Daemon:
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
-                                            outage=self.outage).run(), name="maintenance"),
+                                            outage=self.outage,
+                                            horizon_seconds=self.settings.retry_horizon_seconds).run(),
+                                name="maintenance"),
+            asyncio.create_task(self.clock.watch(self.engine, self.outage), name="clock"),
         ]
         if is_postgresql(self.settings.database_url):
             background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),

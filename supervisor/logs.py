@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import structlog
+import structlog.tracebacks
 
 from outbox.urls import without_query
 
@@ -22,17 +23,27 @@ def _strip_query(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, A
     return event
 
 
+_TRACEBACKS = structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
+
+
 def configure_logging(fmt: str = "auto", level: int = logging.INFO) -> None:
     """``fmt``: ``json``, ``console``, or ``auto`` (console when stderr is a TTY)."""
     console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
-    renderer: Any = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
+    # The console renderer prints ``exc_info`` itself; JSON needs it turned into data first,
+    # or ``log.exception`` writes ``"exc_info": true`` and the stack is lost. Never with
+    # frame locals: they hold decrypted credentials and buyer URLs.
+    renderers: list[Any] = (
+        [structlog.dev.ConsoleRenderer()]
+        if console
+        else [_TRACEBACKS, structlog.processors.JSONRenderer()]
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _strip_query,
-            renderer,
+            *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),

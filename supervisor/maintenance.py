@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
 from outbox.partitions import ensure_attempt_partitions
-from outbox.schema import breakers, messages
+from outbox.schema import breakers
 from outbox.urls import without_query
 from sinks.attempt import DeliveryAttempt
 from supervisor.metrics import Metrics
@@ -49,20 +49,23 @@ async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
 
 
 async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
+    """Live rows only, from their partial indexes: the cost is what is due, not history."""
     async with engine.connect() as conn:
-        counts = dict((await conn.execute(select(messages.c.state, func.count()).group_by(messages.c.state))).all())
+        pending, in_flight = await store.live_counts(conn)
         oldest, now = await store.next_due_at(conn)
         states = dict((await conn.execute(select(breakers.c.state, func.count()).group_by(breakers.c.state))).all())
-    for state in ("pending", "in_flight", "delivered", "dead"):
-        metrics.messages.labels(state=state).set(counts.get(state, 0))
+    metrics.messages.labels(state="pending").set(pending)
+    metrics.messages.labels(state="in_flight").set(in_flight)
     metrics.oldest_due_age.set(max(now - oldest, 0.0) if oldest is not None else 0.0)
     for state in ("closed", "open", "half_open"):
         metrics.breakers.labels(state=state).set(states.get(state, 0))
 
 
 class Maintenance:
-    def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard) -> None:
+    def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard,
+                 horizon_seconds: int) -> None:
         self._engine = engine
+        self._horizon = horizon_seconds
         self._daemon_id = daemon_id
         self._metrics = metrics
         self._outage = outage
@@ -79,7 +82,7 @@ class Maintenance:
                     self._log.warning("leases.rescued", count=rescued)
                 if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
                     async with self._engine.begin() as conn:
-                        expired = await store.expire_past_horizon(conn)
+                        expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
                     for tenant_id in expired:
                         self._metrics.count_dead("expired", tenant_id)
                     if expired:

@@ -52,7 +52,8 @@ class Metrics:
         self.commit_to_delivery = Histogram("outbox_commit_to_delivery_seconds",
                                             "From the enqueueing commit to the recorded delivery.",
                                             buckets=LATENCY_BUCKETS, registry=r)
-        self.messages = Gauge("outbox_messages", "Messages in the outbox, by state (sampled).", ["state"],
+        # Live states only (cheap to count); finished ones are outbox_deliveries_total.
+        self.messages = Gauge("outbox_messages", "Messages pending or in flight, by state (sampled).", ["state"],
                               registry=r)
         self.oldest_due_age = Gauge("outbox_oldest_due_message_age_seconds",
                                     "How long the oldest due message has been waiting (sampled).", registry=r)
@@ -74,7 +75,7 @@ class Metrics:
                                    ["sink"], registry=r)
         self.build_info = Gauge("outbox_build_info", "Version of the running outboxd.", ["version"], registry=r)
         self.build_info.labels(version=package_version()).set(1)
-        for state in ("pending", "in_flight", "delivered", "dead"):
+        for state in ("pending", "in_flight"):
             self.messages.labels(state=state)
         for state in ("closed", "open", "half_open"):
             self.breakers.labels(state=state)

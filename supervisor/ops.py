@@ -160,13 +160,20 @@ async def select_ids(conn: AsyncConnection, filters: Filters) -> list[int]:
     return list((await conn.execute(filters.apply(select(messages.c.id)))).scalars())
 
 
-async def replay_candidates(conn: AsyncConnection, ids: Sequence[int]) -> list[dict[str, Any]]:
+def horizon_end(row: Any, horizon_seconds: int) -> float:
+    """When a message's retry horizon ends: enqueue + horizon, or a forced replay's own stamp."""
+    if row.retry_until is not None:
+        return float(row.retry_until)
+    return float(row.created_at) + (row.horizon_seconds or horizon_seconds)
+
+
+async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_seconds: int) -> list[dict[str, Any]]:
     now = await store.db_now(conn)
     rows = await conn.execute(select(*MESSAGE_COLUMNS).where(messages.c.id.in_(list(ids))).order_by(messages.c.id))
     result = []
     for row in rows:
         item = _message(row)
-        item["past_horizon"] = row.retry_until is not None and row.retry_until <= now
+        item["past_horizon"] = horizon_end(row, horizon_seconds) <= now
         item["replayable"] = row.state in ("dead", "delivered")
         result.append(item)
     return result

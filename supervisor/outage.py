@@ -26,10 +26,12 @@ class OutageGuard:
         self._since: float | None = None
         self._failures = 0
         self._log = structlog.get_logger("outboxd.database")
+        self.recovered = asyncio.Event()  # set when an outage ends (the clock re-measures)
 
     def ok(self) -> None:
         if self._since is not None:
             self._log.info("database.recovered", outage_seconds=round(time.monotonic() - self._since, 2))
+            self.recovered.set()
         self._since, self._failures = None, 0
 
     async def failed(self, doing: str, exc: BaseException) -> None:

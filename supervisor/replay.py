@@ -41,15 +41,19 @@ class ReplayResult:
 
 
 async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.Filters | None = None,
-                 force: bool = False, dry_run: bool = False,
+                 horizon_seconds: int, force: bool = False, dry_run: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> ReplayResult:
-    """Replay ``ids``, or the messages matching ``filters`` (at most its limit)."""
+    """Replay ``ids``, or the messages matching ``filters`` (at most its limit).
+
+    ``horizon_seconds`` is ``OUTBOX_RETRY_HORIZON_SECONDS``: a message's horizon counts from
+    enqueue, and a forced replay gets a fresh one from now.
+    """
     async with engine.begin() as conn:
         more = 0
         if filters is not None:
             ids = await ops.select_ids(conn, filters)
             more = max(await ops.count_matching(conn, filters) - len(ids), 0)
-        candidates = await ops.replay_candidates(conn, ids)
+        candidates = await ops.replay_candidates(conn, ids, horizon_seconds)
     eligible = [c for c in candidates if c["replayable"] and (force or not c["past_horizon"])]
     result = ReplayResult(dry_run=dry_run, more_matched=more,
                           missing=sorted(set(ids) - {c["id"] for c in candidates}),
@@ -61,7 +65,8 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
         return result
     for start in range(0, len(eligible), CHUNK):  # one short transaction per chunk
         async with engine.begin() as conn:
-            result.replayed += await store.replay(conn, [c["id"] for c in eligible[start:start + CHUNK]], force=force)
+            result.replayed += await store.replay(conn, [c["id"] for c in eligible[start:start + CHUNK]], force=force,
+                                                  horizon_seconds=horizon_seconds)
             await store.notify(conn)
         if progress is not None and len(eligible) > CHUNK:
             progress(len(result.replayed), len(eligible))

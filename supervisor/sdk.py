@@ -1,19 +1,22 @@
-"""The seam to the ``adcp`` SDK: a durable ``WebhookDeliverySupervisor``.
+"""A ``send_mcp``-compatible enqueuer for seller code that calls ``send_mcp`` itself.
 
-The SDK's reference supervisor keeps retries, breakers and sequence counters in process
-memory (``delivery_state_is_durable = False``). This class has the same ``send_mcp`` shape
-but only enqueues into the outbox, durably; ``outboxd`` does the signing, sending and
-retrying. A seller switches with one line::
+The ``adcp`` SDK's ``WebhookDeliverySupervisor`` retries, breaks circuits and numbers
+delivery reports in process memory (``delivery_state_is_durable = False``). Code that calls
+its ``send_mcp(...)`` directly can call :class:`OutboxWebhookSupervisor` instead: the same
+keyword arguments, but the call only enqueues into the outbox (durably, in its own
+transaction) and ``outboxd`` signs, sends and retries.
 
-    supervisor = OutboxWebhookSupervisor(async_engine, tenant_id="acme")
-
-For the atomic AdCP 3.2 contract, prefer ``outbox.aio.enqueue_task_webhook`` inside the
-transaction that moves the task, with ``webhook_signing_managed_externally=True`` (README).
+It is NOT pluggable as the SDK's ``webhook_supervisor=`` in adcp 9.2.0: the framework's
+boot check (``adcp.decisioning.webhook_emit.validate_webhook_signing_for_capabilities``)
+refuses any SDK ``webhook_supervisor`` next to ``webhook_signing_managed_externally=True``,
+and without external management it demands the SDK's own ``PgTaskWebhookOutbox`` when
+``webhook_signing.supported`` is advertised, and otherwise rejects every push-configured
+task at request time (``_validate_handoff_push_ownership``). For task webhooks, enqueue
+inside the seller's transaction instead (README, "With the adcp SDK").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -28,7 +31,7 @@ def _text(value: Any) -> str:
 
 
 class OutboxWebhookSupervisor:
-    """``adcp.webhook_supervisor.WebhookDeliverySupervisor`` backed by the outbox tables."""
+    """``WebhookDeliverySupervisor.send_mcp`` with durable enqueue: not atomic, but never lost."""
 
     delivery_state_is_durable = True
 
@@ -59,10 +62,10 @@ class OutboxWebhookSupervisor:
         """
         registration = {"url": url, "operation_id": operation_id, **({"token": token} if token else {})}
         async with self._engine.begin() as conn:
-            if _text(task_type) == protocol.DELIVERY_TASK_TYPE and sequence_key and isinstance(result, Mapping):
+            if _text(task_type) == protocol.DELIVERY_TASK_TYPE and sequence_key and result is not None:
                 await aio.enqueue_delivery_report(
                     conn, tenant_id=self._tenant_id, reporting_webhook=registration, media_buy_id=task_id,
-                    result=dict(result), stream_key=sequence_key, settings=self._settings)
+                    result=result, stream_key=sequence_key, settings=self._settings)
             else:
                 await aio.enqueue_task_webhook(
                     conn, tenant_id=self._tenant_id, push_notification_config=registration, task_id=task_id,

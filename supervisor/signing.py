@@ -18,7 +18,9 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -43,6 +45,7 @@ __all__ = [
     "content_digest",
     "generate_signing_key_pem",
     "hmac_headers",
+    "jwks_document",
     "load_signing_key",
     "signature_base",
     "signature_headers",
@@ -63,6 +66,7 @@ _COVERED = "(" + " ".join(f'"{c}"' for c in COMPONENTS) + ")"
 _JWK_ALG = {ALG_ED25519: "EdDSA", ALG_ES256: "ES256"}  # docs/protocol.md "Signing"
 
 PrivateKey = Ed25519PrivateKey | ec.EllipticCurvePrivateKey
+Clock = Callable[[], float]  # Unix time now; the daemon's is corrected to the database's
 
 
 def _b64url(data: bytes) -> str:
@@ -201,6 +205,22 @@ def load_signing_key(path: str | os.PathLike[str], key_id: str | None = None) ->
     return key
 
 
+def jwks_document(settings: Settings, key_specs: Sequence[tuple[str, str | None]] = ()) -> dict[str, object]:
+    """The public JWKS a seller publishes at its ``jwks_uri`` (``outboxd keys jwks``).
+
+    The keys are ``key_specs`` (``(file, key_id)`` pairs) when given, else every key the
+    daemon signs with: the default key and each tenant's. One function for the CLI and for
+    a seller serving the document itself (docs/examples/adcp_seller.py), so both always
+    publish exactly the keys the daemon signs with.
+    """
+    specs = list(key_specs) or (
+        [(settings.signing_key_file, settings.signing_key_id)] if settings.signing_key_file else []
+    ) + list(settings.tenant_signing_keys.values())
+    if not specs:
+        raise ConfigurationError("no signing key: set OUTBOX_SIGNING_KEY_FILE / OUTBOX_SIGNING_KEY_ID or pass --key FILE=KID")
+    return {"keys": [load_signing_key(file, key_id or None).public_jwk() for file, key_id in dict.fromkeys(specs)]}
+
+
 def generate_signing_key_pem(alg: str = ALG_ED25519) -> bytes:
     """A fresh unencrypted PKCS#8 PEM private key (``outboxd keys``, tests, the demo)."""
     if alg == ALG_ED25519:
@@ -250,6 +270,7 @@ def signature_headers(
     nonce: str | None = None,
     expires_in: int = MAX_VALIDITY_SECONDS,
     method: str = "POST",
+    clock: Clock = time.time,
 ) -> dict[str, str]:
     """The four headers of an AdCP RFC 9421 webhook signature (docs/protocol.md "Signing"), fresh per attempt.
 
@@ -258,11 +279,13 @@ def signature_headers(
     ``content_digest(body)``. Raises ``ValueError`` for a validity outside 1..300 s or a
     URL that is not ASCII (an RFC 9421 signature base is ASCII; a client would
     percent-encode such a URL on the wire and the signature would not verify).
+    ``clock`` gives ``created`` when it is not passed: the daemon passes its
+    database-corrected clock (``supervisor.clock``).
     """
     if not 1 <= expires_in <= MAX_VALIDITY_SECONDS:
         raise ValueError(f"expires_in must be 1..{MAX_VALIDITY_SECONDS} seconds ('Signing' in docs/protocol.md), got {expires_in}")
     if created is None:
-        created = int(time.time())
+        created = int(clock())
     if nonce is None:
         nonce = _b64url(secrets.token_bytes(NONCE_BYTES))
     if digest is None:
@@ -281,13 +304,13 @@ def signature_headers(
     }
 
 
-def hmac_headers(secret: bytes, body: bytes, timestamp: int | None = None) -> dict[str, str]:
+def hmac_headers(secret: bytes, body: bytes, timestamp: int | None = None, clock: Clock = time.time) -> dict[str, str]:
     """Legacy HMAC-SHA256 headers (docs/protocol.md "Legacy credentials"): ``sha256=<hex>`` over ``b"<ts>." + body``.
 
     Only for registrations that carry ``authentication`` (docs/protocol.md "Legacy credentials"); a fresh timestamp per
     attempt keeps retries inside the receiver's 300 s replay window.
     """
-    ts = str(int(time.time()) if timestamp is None else timestamp)
+    ts = str(int(clock()) if timestamp is None else timestamp)
     mac = hmac.new(secret, ts.encode("ascii") + b"." + body, hashlib.sha256).hexdigest()
     return {"X-ADCP-Signature": f"sha256={mac}", "X-ADCP-Timestamp": ts}
 

@@ -11,11 +11,12 @@ Operators expect the conventions of curl, requests and OpenSSL, so the order is:
    ``SSL_CERT_DIR`` when set (as httpx, requests and OpenSSL honour them), else the
    ``certifi`` bundle: the same roots everywhere, whatever the base image ships.
 
-The context is built once per process: building one costs milliseconds of CPU.
+The context is built once per process (per choice): building one costs tens of ms of CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import ssl
 from collections.abc import Mapping
@@ -42,13 +43,20 @@ def _locations(cafile: str | None, capath: str | None, names: tuple[str, str]) -
 def tls_context(settings: Settings, env: Mapping[str, str] | None = None) -> ssl.SSLContext:
     """The verifying client context for every HTTPS delivery, by the order above."""
     env = os.environ if env is None else env
-    if settings.tls_ca_file or settings.tls_ca_dir:
-        return _locations(settings.tls_ca_file, settings.tls_ca_dir, ("OUTBOX_TLS_CA_FILE", "OUTBOX_TLS_CA_DIR"))
-    if settings.tls_trust == "system":
+    return _context(settings.tls_ca_file or None, settings.tls_ca_dir or None, settings.tls_trust,
+                    env.get("SSL_CERT_FILE") or None, env.get("SSL_CERT_DIR") or None)
+
+
+@functools.lru_cache(maxsize=8)
+def _context(ca_file: str | None, ca_dir: str | None, trust: str, cert_file: str | None,
+             cert_dir: str | None) -> ssl.SSLContext:
+    """Built once per process and choice: parsing the certifi bundle takes tens of ms of CPU."""
+    if ca_file or ca_dir:
+        return _locations(ca_file, ca_dir, ("OUTBOX_TLS_CA_FILE", "OUTBOX_TLS_CA_DIR"))
+    if trust == "system":
         import truststore
 
         return truststore.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    cert_file, cert_dir = env.get("SSL_CERT_FILE") or None, env.get("SSL_CERT_DIR") or None
     if cert_file or cert_dir:
         return _locations(cert_file, cert_dir, ("SSL_CERT_FILE", "SSL_CERT_DIR"))
     import certifi

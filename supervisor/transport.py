@@ -76,8 +76,13 @@ class HttpResult:
     headers: Mapping[str, str]  # lower-cased names
     body: bytes  # at most RESPONSE_BODY_CAP bytes read, the rest never read
     elapsed_ms: int
-    error_kind: str | None  # None | "timeout" | "connection_error" | "protocol_error" | "blocked"
+    error_kind: str | None  # None | "timeout" | "connection_error" | "protocol_error" | "blocked" | "invalid"
     error: str | None  # short, fixed vocabulary, <= 200 chars; no URL, query, IP or OS text
+
+    @property
+    def sent(self) -> bool:
+        """Whether a request may have reached the destination (counts for its breaker)."""
+        return self.error_kind not in ("blocked", "invalid")
 
 
 class _Refused(Exception):
@@ -243,8 +248,8 @@ class HttpSender:
                 entry = await self._acquire(key, host, port)
                 shard = entry.take()
                 try:
-                    status, resp_headers, resp_body = await self._exchange(entry.clients[shard], target, body,
-                                                                           headers)
+                    request = _signed_request(entry.clients[shard], url, target, body, headers)
+                    status, resp_headers, resp_body = await self._exchange(entry.clients[shard], request)
                 finally:
                     entry.busy[shard] -= 1
             return HttpResult(status, resp_headers, resp_body, _ms(started), None, None)
@@ -390,11 +395,10 @@ class HttpSender:
             headers=_DEFAULT_HEADERS,
         )
 
-    async def _exchange(
-        self, client: httpx.AsyncClient, target: str, body: bytes, headers: Mapping[str, str]
-    ) -> tuple[int, Mapping[str, str], bytes]:
+    async def _exchange(self, client: httpx.AsyncClient, request: httpx.Request) -> tuple[int, Mapping[str, str], bytes]:
         """Send, read the status, headers and at most RESPONSE_BODY_CAP body bytes."""
-        async with client.stream("POST", target, content=body, headers=headers) as response:
+        response = await client.send(request, stream=True)
+        try:
             chunks: list[bytes] = []
             size = 0
             # Raw (undecoded) bytes: we asked for identity; a receiver that compresses
@@ -406,6 +410,34 @@ class HttpSender:
                     break  # leaving the block closes the response; the socket is discarded
             resp_headers = {k.lower(): v for k, v in response.headers.items()}
             return response.status_code, MappingProxyType(resp_headers), b"".join(chunks)[:RESPONSE_BODY_CAP]
+        finally:
+            await response.aclose()
+
+
+def _wire_url(request: httpx.Request) -> str:
+    """The URL a receiver rebuilds from this request: scheme, ``Host`` and request target.
+
+    httpx writes ``request.url.raw_path`` as the HTTP/1.1 request target, and the AdCP
+    verifier reconstructs ``@target-uri`` from it and the ``Host`` header.
+    """
+    return f"{request.url.scheme}://{request.headers['host']}{request.url.raw_path.decode('ascii')}"
+
+
+def _signed_request(
+    client: httpx.AsyncClient, signed_url: str, target: str, body: bytes, headers: Mapping[str, str]
+) -> httpx.Request:
+    """The request httpx will put on the wire, refused unless it carries the signed URL.
+
+    httpx escapes some characters itself and removes dot segments; a URL it would alter
+    could never verify, so it ends ``dead invalid`` here instead of as a signature the buyer
+    rejects. ``outbox.urls.canonicalize_url`` (applied at enqueue and again to every claimed
+    row) yields a form httpx leaves alone, so this fires only for a caller that signed a
+    non-canonical URL, or an httpx whose encoding changed.
+    """
+    request = client.build_request("POST", target, content=body, headers=headers)
+    if _wire_url(request) != signed_url:
+        raise _Refused("invalid", "request target would differ from the signed @target-uri (URL not canonical)")
+    return request
 
 
 _background: set[asyncio.Task[None]] = set()

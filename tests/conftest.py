@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
@@ -16,6 +17,10 @@ from outbox.config import Settings, load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from tests import pgserver
+
+# `pytest --hypothesis-profile=slow`: property tests that size themselves from the profile
+# (tests/test_url_fidelity.py) run 5,000 examples instead of their default.
+hypothesis_settings.register_profile("slow", max_examples=5_000)
 
 
 @pytest.fixture(scope="session")
@@ -43,10 +48,12 @@ def _truncate(engine: Engine) -> None:
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(
-                "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers RESTART IDENTITY"
+                "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions"
+                " RESTART IDENTITY"
             )
         else:
-            for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers"):
+            for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
+                          "outbox_breaker_transitions"):
                 conn.exec_driver_sql(f"DELETE FROM {table}")
 
 

@@ -76,7 +76,7 @@ def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name
         args += ["--jwks", str(jwks)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60  # importing the adcp verifier takes long on a busy box
+        deadline = time.monotonic() + 90  # importing the adcp SDK's verifier takes 30 s+ on a busy box
         while not port_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("receiver did not start")

@@ -148,7 +148,7 @@ def check_ledger(engine: Any, logs: Iterable[Path], *, never_delivered: Iterable
     * every arrival is of a stored message, verified, with exactly the stored bytes;
     * a message is ``delivered`` only if the receiver logged a 200 for its key, and it has
       exactly one ``success`` attempt row (never lost, never recorded twice);
-    * its attempt rows (circuit-open skips aside) are exactly 1..attempts, one row per number
+    * its attempt rows are exactly 1..attempts, one row per number
       (an attempt cut short by a crash has its ``abandoned`` row);
     * there are at least as many attempt rows as arrivals (every request is in the log).
     """
@@ -166,7 +166,7 @@ def check_ledger(engine: Any, logs: Iterable[Path], *, never_delivered: Iterable
             assert a["verified"], f"{key}: an arrival failed signature verification: {a['problem']}"
     for key, m in stored.items():
         arrived = by_key.get(key, [])
-        real = [r for r in rows.get(m.id, []) if r.outcome != "circuit_open"]
+        real = rows.get(m.id, [])
         numbers = sorted(r.attempt_number for r in real)
         assert numbers == list(range(1, m.attempts + 1)), \
             f"{key}: attempt rows {[(r.attempt_number, r.outcome) for r in rows.get(m.id, [])]} " \

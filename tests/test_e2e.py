@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import func, select
 
 import outbox
-from outbox.schema import attempts, breakers, messages
+from outbox.config import Settings
+from outbox.schema import attempts, breaker_transitions, breakers, messages
 from tests import procs
 
 pytestmark = pytest.mark.e2e
@@ -63,8 +64,7 @@ def check_exact_bytes_and_log(engine, log) -> dict[str, list[dict]]:
         assert len({a["content_digest"] for a in seen}) == 1
     with engine.connect() as conn:
         logged = collections.defaultdict(set)
-        for message_id, number in conn.execute(select(attempts.c.message_id, attempts.c.attempt_number)
-                                               .where(attempts.c.outcome != "circuit_open")):
+        for message_id, number in conn.execute(select(attempts.c.message_id, attempts.c.attempt_number)):
             logged[message_id].add(number)
         for row in conn.execute(select(messages.c.id, messages.c.attempts)):
             assert logged[row.id] >= set(range(1, row.attempts + 1)), f"message {row.id} has unlogged attempts"
@@ -159,16 +159,19 @@ def test_several_daemons_never_share_a_message(pg_engine, pg_url, tmp_path, keyp
         assert len({d for _, _, d in per_message}) == daemons, "every daemon should have taken a share"
 
 
-def test_breaker_isolates_a_failing_tenant(pg_engine, pg_url, tmp_path, keypair):
+def test_breaker_isolates_a_failing_tenant_at_constant_cost(pg_engine, pg_url, tmp_path, keypair):
+    """A dead endpoint with 2,000 pending messages, default breaker settings: it trips within
+    its first requests, the healthy tenant never waits behind it, and the trip costs O(1)
+    writes: one transition row, attempt rows for real requests only, no rewrite of the backlog."""
     key, jwks = keypair
     with procs.receiver(tmp_path, jwks) as (port, log):
         base = f"http://127.0.0.1:{port}"
-        env = procs.daemon_env(pg_url, key, endpoint_concurrency=2, breaker_open_seconds=60)
+        env = procs.daemon_env(pg_url, key)
         daemon = procs.start_daemon(env, tmp_path / "d.log")
         try:
             time.sleep(1.0)
             with pg_engine.begin() as conn:
-                for i in range(40):
+                for i in range(2000):
                     outbox.enqueue_task_webhook(
                         conn, tenant_id="sick", task_id=f"s{i}", task_type="create_media_buy", status="completed",
                         push_notification_config={"url": f"{base}/status/500?i={i}", "operation_id": "op"},
@@ -192,17 +195,27 @@ def test_breaker_isolates_a_failing_tenant(pg_engine, pg_url, tmp_path, keypair)
             assert procs.stop(daemon) == 0
     arrivals = {a["key"]: a["t"] for a in procs.arrivals(log) if a["path"] == "/ok"}
     delays = sorted(arrivals[k] - t for k, t in committed.items())
-    assert delays[-1] < 1.0, f"healthy tenant waited {delays[-1]:.2f} s behind the failing one"
+    print(f"\nhealthy tenant delays: median {delays[len(delays) // 2]:.3f} s, max {delays[-1]:.3f} s")
+    # Well under 1 s on a quiet box; 2 s leaves room for a shared test box at load ~10,
+    # where the receiver alone takes ~100 ms per request.
+    assert delays[-1] < 2.0, f"healthy tenant waited {delays[-1]:.2f} s behind the failing one"
     assert sick_after == sick_before, "the open breaker's endpoint still received requests"
-    assert sick_before <= 5 + 2 + 2, "requests beyond the threshold plus what was already in flight"
+    threshold, in_flight = Settings().breaker_failure_threshold, Settings().endpoint_concurrency
+    assert sick_before <= threshold + 2 * in_flight, "requests beyond the threshold plus what was in flight"
     with pg_engine.connect() as conn:
-        sick_attempts = conn.execute(select(messages.c.attempts).where(messages.c.tenant_id == "sick")).scalars()
-        assert sum(sick_attempts) == sick_before, "messages behind an open breaker burned attempts"
-        deferred = conn.execute(select(messages.c.id).where(messages.c.tenant_id == "sick",
-                                                            messages.c.state == "pending")).scalars().all()
-        skipped = set(conn.execute(select(attempts.c.message_id).where(attempts.c.outcome == "circuit_open"))
-                      .scalars())
-        assert deferred and set(deferred) <= skipped, "every message held by the open breaker has a skip row"
+        sick_ids = select(messages.c.id).where(messages.c.tenant_id == "sick")
+        sick_attempts = conn.execute(select(func.sum(messages.c.attempts)).where(messages.c.tenant_id == "sick"))
+        assert sick_attempts.scalar() == sick_before, "messages behind an open breaker burned attempts"
+        rows = conn.execute(select(func.count()).select_from(attempts)
+                            .where(attempts.c.message_id.in_(sick_ids))).scalar()
+        assert rows == sick_before, f"{rows} attempt rows for {sick_before} real requests"
+        moves = conn.execute(select(breaker_transitions.c.from_state, breaker_transitions.c.to_state)
+                             .where(breaker_transitions.c.tenant_id == "sick")).all()
+        assert [tuple(m) for m in moves] == [("closed", "open")], "the trip is recorded once"
+        pending = conn.execute(select(func.count()).select_from(messages).where(
+            messages.c.tenant_id == "sick", messages.c.state == "pending",
+            messages.c.attempts == 0)).scalar()
+        assert pending >= 2000 - sick_before, "the backlog waits, untouched, for the breaker to close"
 
 
 def test_sqlite_end_to_end_and_sigterm(sqlite_engine, sqlite_url, tmp_path, keypair):

@@ -76,14 +76,15 @@ HOSTS = st.sampled_from(["buyer.example.com", "BUYER.Example.com.", "127.0.0.1",
 URL = st.builds(lambda scheme, host, port, path, query: f"{scheme}://{host}{port}{path}{query}",
                 st.sampled_from(["https", "http", "HTTPS"]), HOSTS,
                 st.sampled_from(["", ":443", ":8443", ":1"]),
-                st.sampled_from(["", "/", "/hooks/adcp", "/a%2fb/c", "/%C3%BC"]),
-                st.sampled_from(["", "?channel=1", "?a=b&c=%20"]))
+                st.sampled_from(["", "/", "/hooks/adcp", "/a%2fb/c", "/%C3%BC", "/ü", "/~u/%7e/./x"]),
+                st.sampled_from(["", "?channel=1", "?a=b&c=%20", "?q=ü&q=+", "?a[]={x}"]))
 BAD_URL = st.sampled_from(["ftp://buyer.example.com/", "https://user:pw@buyer.example.com/", "https://10.0.0.1/",
                            "https://169.254.169.254/latest", "https://[::1]/", "https://buyer.example.com/#f",
                            "https://buyer.example.com:99999/", "https://buyer .example.com/", "//buyer.example.com/",
                            "https://", "https://-bad-.example/", "https://buyer.example.com/\x7f", "x" * 3000,
                            "https://0x7f000001/", "https://[::ffff:10.0.0.1]/", "http://[fe80::1%25eth0]/",
-                           "https://buyer.example.com/ü", "https://buyer.example.com/?q=ü"])
+                           "https://buyer.example.com/a%zz", "https://buyer.example.com/%2e%2E/x",
+                           "https://buyer.example.com/a\\b"])
 # Plausible names (valid values); NUL and lone surrogates come with the junk (BAD_STRING).
 _COLUMN_CHARS = st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00")
 NAME = st.text(_COLUMN_CHARS, min_size=1, max_size=24) | st.text(_ID_CHARS, min_size=1, max_size=24)

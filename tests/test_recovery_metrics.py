@@ -25,14 +25,14 @@ def sample(metrics: Metrics, name: str, **labels: str) -> float:
 
 async def test_expired_and_rescued_messages_are_counted(engine):
     enqueue_many(engine, "http://127.0.0.1:9", ["/a", "/b", "/c"], tenants=3)
-    with engine.begin() as conn:  # 1 past its horizon; 2 leased by a daemon that died
-        conn.execute(messages.update().where(messages.c.id == 1).values(retry_until=1.0))
+    with engine.begin() as conn:  # 1 enqueued longer ago than its horizon; 2 leased by a daemon that died
+        conn.execute(messages.update().where(messages.c.id == 1).values(created_at=1.0))
         conn.execute(messages.update().where(messages.c.id == 2).values(
             state="in_flight", lease_token="t", lease_expires_at=1.0, leased_by="dead-daemon", attempts=1))
     metrics = Metrics(per_tenant=True)
     async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
     task = asyncio.create_task(Maintenance(async_engine, daemon_id="d", metrics=metrics,
-                                           outage=OutageGuard(5)).run())
+                                           outage=OutageGuard(5), horizon_seconds=86_400).run())
     try:
         deadline = asyncio.get_running_loop().time() + 30  # the first tick does both; a loaded CI is slow
         while asyncio.get_running_loop().time() < deadline:

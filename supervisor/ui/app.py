@@ -162,7 +162,8 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if filters is not None and not any(form.get(f) for f in FILTER_FIELDS):
             return render(request, "error.html", 400, message="a filtered replay needs at least one filter")
         confirmed = form.get("confirm") == "yes"
-        result = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=not confirmed)
+        result = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=not confirmed,
+                              horizon_seconds=settings.retry_horizon_seconds)
         return render(request, "replay.html", result=result)  # the confirmation names the dry run's ids
 
     async def reset_breaker(request: Request) -> Response:

@@ -1,0 +1,194 @@
+"""End to end on the ``adcp`` SDK: the example seller, ``outboxd run``, an SDK buyer and receiver.
+
+Every piece is the real thing on 127.0.0.1: ``docs/examples/adcp_seller.py`` in its own
+process (the SDK's ``DecisioningPlatform`` served over MCP), the daemon process, an
+``ADCPClient`` buyer, and a receiver built on the SDK's ``WebhookReceiver`` that verifies
+each delivery against the JWKS the seller serves. One SQLite file (the default database)
+is shared by the seller and the daemon, as in the README.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select, text
+
+from outbox.config import load_settings
+from outbox.db import make_engine
+from outbox.schema import messages
+from tests import adcp_schema, procs
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "docs" / "examples" / "adcp_seller.py"
+BOOT_SECONDS = 600  # a bound: the SDK import and MCP schema build take ~40 s of CPU, far longer on a loaded box
+HORIZON = 172_800  # not the default, so an advertised 86400 could not pass by accident
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The seller and the daemon, sharing one SQLite database and one signing key."""
+    key, _ = procs.make_key(tmp_path)
+    database_url = f"sqlite:///{tmp_path / 'seller.db'}"
+    env = procs.daemon_env(database_url, key, retry_horizon_seconds=HORIZON)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    port = free_port()
+    seller_log = open(tmp_path / "seller.log", "wb")
+    seller = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port)], env=env, cwd=tmp_path,
+                              stdout=seller_log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    daemon = None
+    try:
+        up = procs.wait_until(lambda: seller.poll() is not None or _serves(f"{base}/outboxd/jwks.json"),
+                              BOOT_SECONDS, interval=0.5)
+        assert up and seller.poll() is None, (tmp_path / "seller.log").read_text()[-3000:]
+        daemon = procs.start_daemon(env, tmp_path / "daemon.log")  # after the seller created the tables
+        yield {"base": base, "env": env, "engine": make_engine(database_url), "tmp": tmp_path}
+    finally:
+        if daemon is not None:
+            assert procs.stop(daemon) == 0
+        seller.kill()
+        seller.wait()
+        seller_log.close()
+
+
+def _serves(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Receiver:
+    """A buyer's webhook endpoint on the SDK's ``WebhookReceiver``, in a thread of this process."""
+
+    def __init__(self, jwks_uri: str, horizon_seconds: int) -> None:
+        import uvicorn
+        from adcp.server.idempotency import MemoryBackend, WebhookDedupStore
+        from adcp.signing import CachingJwksResolver
+        from adcp.webhooks import WebhookReceiver, WebhookReceiverConfig, WebhookVerifyOptions
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        self.received: list[dict[str, Any]] = []
+        self.rejected: list[str] = []
+        receiver = WebhookReceiver(WebhookReceiverConfig(
+            verify_options=WebhookVerifyOptions(jwks_resolver=CachingJwksResolver(jwks_uri, allow_private=True)),
+            dedup=WebhookDedupStore(MemoryBackend(), ttl_seconds=horizon_seconds),
+            receiver_scope="test-buyer",
+            publisher_scope_for=lambda _signer: "example-seller",
+        ))
+
+        async def hook(request: Request) -> Response:
+            body = await request.body()
+            outcome = await receiver.receive_and_process(
+                method=request.method, url=str(request.url), headers=dict(request.headers), body=body,
+                handler=lambda _payload: self.received.append(json.loads(body)))
+            if outcome.rejected:
+                self.rejected.append(str(outcome.rejection_reason))
+                return Response(status_code=outcome.http_status or 400, headers=dict(outcome.response_headers))
+            return Response(status_code=outcome.http_status or 200)
+
+        self.port = free_port()
+        config = uvicorn.Config(Starlette(routes=[Route("/hooks", hook, methods=["POST"])]), host="127.0.0.1",
+                                port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Receiver:
+        self.thread.start()
+        assert procs.wait_until(lambda: self.server.started, 30, interval=0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def media_buy_request(hook_url: str, operation_id: str, budget: float) -> Any:
+    from adcp import CreateMediaBuyRequest
+
+    start = datetime.now(timezone.utc) + timedelta(days=1)
+    return CreateMediaBuyRequest.model_validate({
+        "idempotency_key": str(uuid.uuid4()),
+        "account": {"account_id": "acct_1"},
+        "brand": {"domain": "buyer.example"},
+        "start_time": start.isoformat(), "end_time": (start + timedelta(days=30)).isoformat(),
+        "total_budget": {"amount": budget, "currency": "USD"},
+        "packages": [{"product_id": "prod_display", "pricing_option_id": "cpm_usd", "budget": budget}],
+        "push_notification_config": {"url": hook_url, "operation_id": operation_id,
+                                     "token": "buyer-token-0123456789"},
+        "context": {"trace": operation_id},
+    })
+
+
+async def buy(base: str, hook_url: str) -> tuple[Any, Any, Any]:
+    """Capabilities, one media buy within the inventory, one over it (which must roll back)."""
+    from adcp import ADCPClient, AgentConfig
+
+    async with ADCPClient(AgentConfig(id="example-seller", agent_uri=f"{base}/mcp", protocol="mcp")) as client:
+        capabilities = await client.fetch_capabilities()
+        booked = await client.create_media_buy(media_buy_request(hook_url, "op_booked", 5_000.0))
+        refused = await client.create_media_buy(media_buy_request(hook_url, "op_refused", 1_000_000.0))
+    return capabilities, booked.data, refused.data
+
+
+def test_example_seller_end_to_end(stack: dict[str, Any]) -> None:
+    daemon_settings = load_settings(env=stack["env"])
+    with Receiver(f"{stack['base']}/outboxd/jwks.json", daemon_settings.retry_horizon_seconds) as receiver:
+        hook_url = f"http://127.0.0.1:{receiver.port}/hooks"
+        capabilities, booked, refused = asyncio.run(buy(stack["base"], hook_url))
+
+        advertised = capabilities.webhook_signing
+        assert advertised.supported is True
+        assert advertised.delivery_retry_horizon_seconds == daemon_settings.retry_horizon_seconds == HORIZON
+        assert booked.status == refused.status == "submitted", (booked, refused)
+        booked_task, refused_task = booked.task_id, refused.task_id
+
+        assert procs.wait_until(lambda: len(receiver.received) >= 2 or receiver.rejected, 30), \
+            (stack["tmp"] / "daemon.log").read_text()[-3000:]
+        time.sleep(1.0)  # anything else the daemon would send has had time to arrive
+    assert receiver.rejected == []
+    by_task = {body["task_id"]: body for body in receiver.received}
+    assert len(receiver.received) == 2 and by_task.keys() == {booked_task, refused_task}
+
+    completed = by_task[booked_task]
+    assert (completed["status"], completed["operation_id"], completed["token"]) == \
+        ("completed", "op_booked", "buyer-token-0123456789")
+    assert completed["context"] == {"trace": "op_booked"}
+    assert completed["result"]["packages"][0]["product_id"] == "prod_display"
+    # The rolled-back transaction sent nothing: the only webhook for that task is the
+    # failure the seller enqueued after the rollback.
+    failed = by_task[refused_task]
+    assert failed["status"] == "failed" and failed["result"]["errors"][0]["code"] == "BUDGET_EXCEEDED"
+    for body in receiver.received:
+        adcp_schema.assert_valid(json.dumps(body).encode())
+
+    with stack["engine"].connect() as conn:
+        rows = conn.execute(text("SELECT media_buy_id, task_id FROM media_buys")).all()
+        assert [(r.media_buy_id, r.task_id) for r in rows] == [(completed["result"]["media_buy_id"], booked_task)]
+        assert conn.execute(text("SELECT remaining_budget FROM inventory")).scalar() == 95_000.0
+        stored = conn.execute(select(messages.c.task_id, messages.c.task_status, messages.c.state)).all()
+    assert sorted(stored) == sorted([(booked_task, "completed", "delivered"), (refused_task, "failed", "delivered")])

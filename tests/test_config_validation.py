@@ -1,0 +1,132 @@
+"""Numeric settings: one bounds table, NaN/infinity/out-of-range refused in one line naming the
+variable; and JSON logs that keep the traceback of a logged exception."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import typing
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from outbox.config import NUMERIC_BOUNDS, Settings, load_settings
+from outbox.errors import ConfigurationError
+
+ROOT = Path(__file__).resolve().parent.parent
+HINTS = typing.get_type_hints(Settings)
+NUMERIC = sorted(f.name for f in fields(Settings) if HINTS[f.name] in (int, float))
+
+
+def var(name: str) -> str:
+    return "OUTBOX_" + name.upper()
+
+
+def test_every_numeric_setting_has_bounds() -> None:
+    """A numeric setting added without an entry would escape validation: fail here instead."""
+    assert NUMERIC and sorted(NUMERIC_BOUNDS) == NUMERIC
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("lease_seconds", "nan"),
+        ("lease_seconds", "NaN"),
+        ("connect_timeout_seconds", "-1"),
+        ("read_timeout_seconds", "0"),
+        ("sink_timeout_seconds", "inf"),
+        ("poll_interval_seconds", "-inf"),
+        ("database_outage_seconds", "1e400"),
+        ("breaker_failure_threshold", "0"),
+        ("breaker_success_threshold", "-3"),
+        ("concurrency", "0"),
+        ("retry_horizon_seconds", "86399"),
+        ("retry_horizon_seconds", "604801"),
+        ("retry_max_seconds", "1"),  # below the 2 s retry base
+        ("breaker_max_open_seconds", "20"),  # below the 30 s open time
+        ("connect_timeout_seconds", "25"),  # the lease (30 s) would not exceed connect + read
+        ("claim_batch", "2.5"),
+        ("shutdown_grace_seconds", "soon"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_variable(name: str, raw: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings(env={var(name): raw})
+    message = str(caught.value)
+    assert var(name) in message and "\n" not in message
+
+
+def test_toml_numbers_are_checked_alike(tmp_path: Path) -> None:
+    path = tmp_path / "outbox.toml"
+    for line in ("lease_seconds = nan", "concurrency = 2.5", "breaker_failure_threshold = true"):
+        path.write_text(f"[outbox]\n{line}\n")
+        with pytest.raises(ConfigurationError, match=var(line.split()[0])):
+            load_settings(path, env={})
+
+
+def test_direct_construction_is_checked_too() -> None:
+    with pytest.raises(ConfigurationError, match="OUTBOX_LEASE_SECONDS"):
+        Settings(lease_seconds=math.nan)
+
+
+def test_edges_that_are_legal() -> None:
+    s = load_settings(env={var("shutdown_grace_seconds"): "0", var("retry_after_cap_seconds"): "0",
+                           var("retry_horizon_seconds"): "604800", var("breaker_failure_threshold"): "1"})
+    assert (s.shutdown_grace_seconds, s.retry_after_cap_seconds, s.retry_horizon_seconds) == (0, 0, 604_800)
+
+
+ENV_VALUES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.integers(-10**7, 10**7).map(str),
+    st.sampled_from(["nan", "inf", "-inf", "Infinity", "1e309", "-0", "0", "0.0", "1", " 5 ", "", "x", "1_0"]),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(NUMERIC), raw=ENV_VALUES)
+def test_any_env_value_is_legal_or_one_line_naming_it(name: str, raw: str) -> None:
+    try:
+        loaded = load_settings(env={var(name): raw})
+    except ConfigurationError as exc:
+        message = str(exc)
+        assert "\n" not in message and message.startswith("OUTBOX_")
+        # the variable itself, or the lease rule that names the timeouts it depends on
+        assert var(name) in message
+        return
+    value = getattr(loaded, name)
+    assert isinstance(value, HINTS[name]) and not isinstance(value, bool)
+    assert math.isfinite(value) and value == float(raw)  # what was written, parsed, nothing else
+    bounds = NUMERIC_BOUNDS[name]
+    assert (value > bounds.low if bounds.low_open else value >= bounds.low) and value <= bounds.high
+    if name in ("connect_timeout_seconds", "read_timeout_seconds", "lease_seconds"):
+        assert loaded.lease_seconds > loaded.connect_timeout_seconds + loaded.read_timeout_seconds
+    if "timeout" in name or "threshold" in name or name == "lease_seconds":
+        assert value > 0  # independent of the table: zero or less never makes sense here
+
+
+def test_json_logs_carry_the_traceback_without_locals() -> None:
+    script = (
+        "import structlog\n"
+        "from supervisor.logs import configure_logging\n"
+        "configure_logging('json')\n"
+        "def deep(secret):\n"
+        "    raise RuntimeError('boom')\n"
+        "try:\n"
+        "    deep('hunter2-credential')\n"
+        "except RuntimeError:\n"
+        "    structlog.get_logger('t').exception('attempt.crashed', message_id=7)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    line = json.loads(done.stderr.strip().splitlines()[-1])
+    assert line["event"] == "attempt.crashed" and "exc_info" not in line
+    (exc,) = line["exception"]
+    assert exc["exc_type"] == "RuntimeError" and exc["exc_value"] == "boom"
+    assert [f["name"] for f in exc["frames"]][-1] == "deep"
+    assert "hunter2-credential" not in done.stderr  # frame locals are never rendered
