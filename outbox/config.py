@@ -17,6 +17,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from outbox.errors import ConfigurationError
 
@@ -88,6 +89,7 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "breaker_max_open_seconds": _seconds(),
     "breaker_failure_ratio": Bounds(0.0, 1.0, low_open=True),
     "breaker_window_seconds": _seconds(),
+    "key_cache_window_seconds": _seconds(zero=True),
     "sink_timeout_seconds": _seconds(),
 }
 
@@ -134,6 +136,14 @@ class Settings:
     tls_ca_dir: str | None = None
     tls_trust: str = "certifi"
     log_format: str = "auto"  # auto | json | console
+    # How long a buyer may cache the seller's JWKS: the AdCP ceiling on a verifier's JWKS
+    # cache TTL (30 min, https://adcontextprotocol.org/docs/building/by-layer/L1/security).
+    # A staged key may start signing only after this long, and a retired key stays
+    # published at least this long past its last signature.
+    key_cache_window_seconds: float = 1800.0
+    # The brand.json origin buyers expect as the revocation list's `issuer`; unset, the
+    # signed revocation list is not served.
+    revocation_issuer: str | None = None
     ui_addr: str = "127.0.0.1:8465"  # `outboxd ui`: loopback unless the operator says otherwise
     ui_token: str | None = None  # `outboxd ui`: the token for signing in; generated when unset
 
@@ -153,10 +163,22 @@ class Settings:
             raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
+        if self.revocation_issuer is not None and not _is_origin(self.revocation_issuer):
+            raise ConfigurationError(
+                f"OUTBOX_REVOCATION_ISSUER must be an origin like https://seller.example.com, "
+                f"got {self.revocation_issuer!r}"
+            )
 
     def is_allowed_private(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         """Whether ``address`` sits in a network the operator exempted from the SSRF block."""
         return any(address.version == net.version and address in net for net in self.allowed_cidrs)
+
+
+def _is_origin(value: str) -> bool:
+    """``scheme://host[:port]`` and nothing else: what a revocation list's issuer must be."""
+    parts = urlsplit(value)
+    return (parts.scheme in ("https", "http") and bool(parts.hostname) and not parts.username
+            and parts.path == "" and not parts.query and not parts.fragment)
 
 
 def _parse_bool(name: str, raw: Any) -> bool:

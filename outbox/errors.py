@@ -18,10 +18,12 @@ class OutboxValidationError(ValueError):
 
 
 class IdempotencyConflictError(OutboxValidationError):
-    """An ``idempotency_key`` already bound to different bytes (docs/protocol.md "Idempotency").
+    """The tenant's ``idempotency_key`` is already bound to another notification
+    (docs/protocol.md "Idempotency").
 
     AdCP binds a delivery key immutably to its first payload for the whole retry horizon;
-    a changed payload needs a fresh key.
+    a changed payload needs a fresh key. What counts as "changed" is defined once, in
+    :func:`outbox.identity.binding_digest` (a re-rendered ``timestamp`` does not).
     """
 
     def __init__(self, key: str) -> None:

@@ -17,32 +17,30 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, select, text
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from outbox import protocol
 from outbox.config import Settings, load_settings
-from outbox.errors import IdempotencyConflictError, OutboxValidationError
-from outbox.schema import messages
+from outbox.errors import OutboxValidationError
+from outbox.wire import json_default, wire_form
+from outbox.identity import (
+    EnqueuedMessage,
+    binding_digest,
+    bound_record,
+    decode_body,
+    existing_twin,
+    give_back,
+    insert_new,
+    next_sequence,
+    store_bound,
+    stream_key as scoped_stream_key,
+)
 from outbox.sealing import seal
 from outbox.urls import origin, validate_destination
 
 Conn = Connection | Session
-
-_NEXT_SEQUENCE = text(
-    "INSERT INTO outbox_sequences (stream_key, last_value) VALUES (:stream_key, 1) ON CONFLICT (stream_key) "
-    "DO UPDATE SET last_value = outbox_sequences.last_value + 1 RETURNING last_value"
-)
-
-
-@dataclass(frozen=True)
-class EnqueuedMessage:
-    """What the caller gets back: enough to correlate logs, the CLI and the receiver."""
-
-    id: int
-    idempotency_key: str
-    sequence_number: int | None = None
+__all__ = ["EnqueuedMessage", "decode_body", "enqueue", "enqueue_delivery_report", "enqueue_task_webhook"]
 
 
 @dataclass(frozen=True)
@@ -62,21 +60,8 @@ def default_settings() -> Settings:
     return load_settings()
 
 
-def _wire_form(value: Any) -> Any:
-    """An ``adcp`` SDK (pydantic) model as the JSON it puts on the wire; anything else as is.
-
-    The one conversion for SDK models, wherever they appear: a whole argument
-    (``push_notification_config``, ``context``, ``payload``, ``result``) or a value nested
-    inside a plain mapping (through :func:`_render`'s ``default`` hook, which costs nothing
-    for plain input). JSON mode with ``None`` fields left out, as the SDK's own server
-    serializes a tool result (``adcp.server.mcp_tools``), and wire names (``by_alias``).
-    """
-    dump = getattr(value, "model_dump", None)
-    return dump(mode="json", by_alias=True, exclude_none=True) if callable(dump) else value
-
-
 def _as_mapping(value: Any, field: str) -> Mapping[str, Any]:
-    value = _wire_form(value)
+    value = wire_form(value)
     if not isinstance(value, Mapping):
         raise OutboxValidationError(field, "must be an object (mapping)")
     return value
@@ -136,6 +121,10 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
                 f"{field}.authentication.credentials",
                 f"must be at least {protocol.MIN_LEGACY_CREDENTIAL_LENGTH} characters",
             )
+        if not protocol.LEGACY_CREDENTIAL_RE.fullmatch(credentials):
+            # It becomes a header value (Bearer) or an HMAC key the buyer types into config.
+            raise OutboxValidationError(f"{field}.authentication.credentials",
+                                        "must be visible ASCII (no spaces, control or non-ASCII characters)")
         if settings.encryption_key is None:
             raise OutboxValidationError(
                 f"{field}.authentication",
@@ -151,18 +140,11 @@ def _idempotency_key(given: str | None) -> str:
     return _check_string(given, "idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
 
 
-def _json_default(value: Any) -> Any:
-    converted = _wire_form(value)
-    if converted is value:
-        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
-    return converted
-
-
 def _render(envelope: Mapping[str, Any]) -> bytes:
     """Serialize once: compact, UTF-8, and strictly JSON (no NaN, no non-string keys)."""
     try:
         body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
-                          default=_json_default).encode("utf-8")
+                          default=json_default).encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError (lone surrogates) is a ValueError
         raise OutboxValidationError("result", f"is not JSON-serializable ({exc})") from None
     if len(body) > protocol.MAX_BODY_BYTES:
@@ -178,35 +160,12 @@ def _connection(conn: Conn) -> Connection:
     return conn.connection() if isinstance(conn, Session) else conn
 
 
-# Built once per dialect: constructing an INSERT per call cost ~0.2 ms of CPU (profiled).
-_INSERTS = {
-    name: dialect.insert(messages).on_conflict_do_nothing(index_elements=["idempotency_key"]).returning(messages.c.id)
-    for name, dialect in (("postgresql", postgresql), ("sqlite", sqlite))
-}
-
-
-def _insert(connection: Connection, row: dict[str, Any]) -> int | None:
-    return connection.execute(_INSERTS[connection.dialect.name], row).scalar()
-
-
-def _existing(connection: Connection, key: str) -> tuple[int, bytes, int | None] | None:
-    row = connection.execute(
-        select(messages.c.id, messages.c.body, messages.c.sequence_number).where(messages.c.idempotency_key == key)
-    ).first()
-    return None if row is None else (row.id, bytes(row.body), row.sequence_number)
-
-
-def _store(
-    connection: Connection,
-    *,
-    tenant_id: str,
-    registration: _Registration,
-    key: str,
-    body: bytes,
-    settings: Settings,
-    columns: Mapping[str, Any],
-) -> EnqueuedMessage:
-    """Insert the rendered message, enforcing the immutable key binding (docs/protocol.md "Idempotency")."""
+def _row(
+    tenant_id: str, registration: _Registration, key: str, body: bytes, content: Mapping[str, Any],
+    settings: Settings, columns: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The message row to insert, with its binding digest (outbox/identity.py) over ``content``,
+    the mapping ``body`` was rendered from."""
     secret = None
     if registration.credentials is not None:
         assert settings.encryption_key is not None
@@ -223,21 +182,8 @@ def _store(
         "operation_id": registration.operation_id,
         **columns,
     }
-    new_id = _insert(connection, row)
-    if new_id is not None:
-        return EnqueuedMessage(new_id, key, columns.get("sequence_number"))
-    existing = _existing(connection, key)
-    if existing is None or existing[1] != body:
-        raise IdempotencyConflictError(key)
-    return EnqueuedMessage(existing[0], key, existing[2])
-
-
-def _replayed_key(connection: Connection, key: str | None) -> EnqueuedMessage | None:
-    """A caller-supplied key already stored: return it without consuming a sequence number."""
-    if key is None:
-        return None
-    existing = _existing(connection, key)
-    return None if existing is None else EnqueuedMessage(existing[0], key, existing[2])
+    row["binding_digest"] = binding_digest(row, content)
+    return row
 
 
 def _tenant(tenant_id: Any) -> str:
@@ -304,11 +250,9 @@ def enqueue_task_webhook(
     optional = {"notification_id": notification_id, "message": message, "context_id": context_id,
                 "token": registration.token, "result": result, "context": context}
     envelope.update({k: v for k, v in optional.items() if v is not None})
-    body = _render(envelope)
-    return _store(
-        _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
-        columns={"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon},
-    )
+    row = _row(tenant, registration, key, _render(envelope), envelope, settings,
+               {"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon})
+    return store_bound(_connection(conn), row)
 
 
 def enqueue_delivery_report(
@@ -326,10 +270,12 @@ def enqueue_delivery_report(
 ) -> EnqueuedMessage:
     """Enqueue a ``media_buy_delivery`` report with the stream's next ``sequence_number``.
 
-    The number is allocated in the caller's transaction (docs/protocol.md "Delivery reports"): it starts at
-    1, has no gaps, increases in commit order, and a rollback gives it back. The stream
-    defaults to tenant + media buy + receiver URL, so each subscriber sees contiguous
-    numbers. The stream row stays locked until the caller commits: enqueue reports last.
+    The number is allocated in the caller's transaction (docs/protocol.md "Delivery
+    reports"): it starts at 1, has no gaps, increases in commit order, and a rollback gives
+    it back. The stream is the tenant's: tenant + media buy + receiver URL by default (each subscriber sees
+    contiguous numbers), or tenant + ``stream_key``. Everything that can fail, the
+    idempotency check included, runs before the number is allocated. The stream row stays
+    locked until the caller commits: enqueue reports last.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -342,12 +288,8 @@ def enqueue_delivery_report(
                 "a delivery notification type")
     _optional_string(stream_key, "stream_key")
     _optional_string(task_id, "task_id")
-    horizon = _horizon(horizon_seconds)  # every check before the sequence number is allocated
+    horizon = _horizon(horizon_seconds)
     key = _idempotency_key(idempotency_key)
-    connection = _connection(conn)
-    replayed = _replayed_key(connection, idempotency_key)
-    if replayed is not None:
-        return replayed
     envelope: dict[str, Any] = {
         "idempotency_key": key,
         "operation_id": registration.operation_id,
@@ -358,19 +300,29 @@ def enqueue_delivery_report(
     }
     if registration.token is not None:
         envelope["token"] = registration.token
-    report["sequence_number"] = 0  # placeholder: validate the size and serializability first
+    report["sequence_number"] = 0  # placeholder: size, serializability and binding come first
     envelope["result"] = report
-    _render(envelope)
-    stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"
-    sequence_number = connection.execute(_NEXT_SEQUENCE, {"stream_key": stream}).scalar_one()
-    report["sequence_number"] = sequence_number
-    body = _render(envelope)
-    return _store(
-        connection, tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
-        columns={"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE,
-                 "task_status": "completed", "notification_type": notification_type,
-                 "sequence_key": stream, "sequence_number": sequence_number, "horizon_seconds": horizon},
-    )
+    stream = scoped_stream_key(tenant, stream_key) if stream_key else scoped_stream_key(tenant, media_buy_id,
+                                                                                        registration.url)
+    legacy_stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"  # the pre-0002 key
+    columns = {"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE, "task_status": "completed",
+               "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon}
+    row = _row(tenant, registration, key, _render(envelope), envelope, settings, columns)
+    connection = _connection(conn)
+    if idempotency_key is not None:  # a retry must neither conflict late nor consume a number
+        replayed = bound_record(connection, tenant, key, row["binding_digest"])
+        if replayed is not None:
+            return replayed
+    number = next_sequence(connection, stream, legacy_stream)
+    report["sequence_number"] = number
+    row["body"] = _render(envelope)
+    row["body_sha256"] = hashlib.sha256(row["body"]).digest()
+    row["sequence_number"] = number
+    new_id = insert_new(connection, row)
+    if new_id is not None:
+        return EnqueuedMessage(new_id, key, number)
+    give_back(connection, stream, number)  # a concurrent twin committed first: no gap
+    return existing_twin(connection, row)
 
 
 def enqueue(
@@ -412,31 +364,8 @@ def enqueue(
         key = _idempotency_key(idempotency_key if idempotency_key is not None else in_payload)
         envelope["idempotency_key"] = key
         body = _render(envelope)
-    return _store(
-        _connection(conn), tenant_id=tenant, registration=registration, key=key, body=body, settings=settings,
-        columns={"notification_type": _optional_string(notification_type, "notification_type"),
-                 "horizon_seconds": _horizon(horizon_seconds)},
-    )
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        raise ValueError("duplicate object key")  # docs/protocol.md "Idempotency": duplicate keys must be rejected
-    return result
-
-
-def decode_body(body: bytes) -> dict[str, Any] | None:
-    """The body as a JSON object, or ``None`` when it is not strictly one (no NaN, no dup keys).
-
-    Shared with the daemon's integrity check, so producer and daemon judge bodies alike.
-    """
-    try:
-        value = json.loads(body.decode("utf-8"), object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
+        decoded = envelope
+    row = _row(tenant, registration, key, body, decoded, settings,
+               {"notification_type": _optional_string(notification_type, "notification_type"),
+                "horizon_seconds": _horizon(horizon_seconds)})
+    return store_bound(_connection(conn), row)

@@ -34,5 +34,8 @@ OPERATION_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")  # push-notification-c
 NOTIFICATION_ID_RE = OPERATION_ID_RE  # docs/protocol.md "Webhook bodies" notification_id has the same pattern
 TOKEN_LENGTH = (16, 4096)  # docs/protocol.md "Webhook bodies" token, 16..4096 characters
 MIN_LEGACY_CREDENTIAL_LENGTH = 32  # docs/protocol.md "Legacy credentials" credentials ≥ 32 characters
+# A legacy credential goes into a header (Bearer) or keys an HMAC the buyer configured as
+# text: visible ASCII only (RFC 9110 field-value characters, no spaces).
+LEGACY_CREDENTIAL_RE = re.compile(r"[\x21-\x7e]+")
 LEGACY_SCHEMES = {"HMAC-SHA256": "hmac", "Bearer": "bearer"}  # enums/auth-scheme.json
 MAX_BODY_BYTES = 1024 * 1024  # receivers SHOULD enforce 1 MB ("Sizes and timeouts")

@@ -72,12 +72,16 @@ messages = Table(
     Column("id", _Id, primary_key=True, autoincrement=True),
     Column("tenant_id", Text, nullable=False),
     Column("url", Text, nullable=False),
-    # scheme://authority; the circuit-breaker and connection-pool key. Filled by a trigger
-    # on PostgreSQL when a plain-SQL producer leaves it NULL.
+    # scheme://authority (outbox.urls.origin: no userinfo); the circuit-breaker and
+    # connection-pool key. On PostgreSQL a trigger computes it when an insert leaves it NULL; the daemon
+    # recomputes it for every claimed row and writes back any difference (outbox.store.claim).
     Column("origin", Text),
     Column("idempotency_key", Text, nullable=False),
     Column("body", LargeBinary, nullable=False),
     Column("body_sha256", LargeBinary),
+    # What the idempotency key is bound to (outbox/identity.py: binding_digest). NULL from
+    # plain-SQL producers and older releases: then it is computed from the stored row.
+    Column("binding_digest", LargeBinary),
     Column("auth_mode", Text, nullable=False, server_default="rfc9421"),
     Column("auth_secret", LargeBinary),  # AES-256-GCM: nonce || ciphertext+tag
     Column("task_id", Text),
@@ -111,7 +115,8 @@ messages = Table(
         "horizon_seconds IS NULL OR horizon_seconds BETWEEN 86400 AND 604800",
         name="outbox_messages_horizon_check",
     ),
-    Index("outbox_messages_idempotency_key_key", "idempotency_key", unique=True),
+    # Identity is per tenant: another tenant's identical key string is another message.
+    Index("outbox_messages_key_tenant_key", "idempotency_key", "tenant_id", unique=True),
     # The claim path: only what is due is indexed, so millions of delivered rows cost
     # nothing (docs/architecture.md, "The message state machine").
     Index(
@@ -190,6 +195,36 @@ breakers = Table(
     Column("previous_failures", Integer, nullable=False, server_default="0"),
     PrimaryKeyConstraint("tenant_id", "origin", name="outbox_breakers_pkey"),
     _enum_check("state", BREAKER_STATES, "outbox_breakers_state_check"),
+)
+
+ADCP_USES = ("request-signing", "webhook-signing")
+
+# The keyring (supervisor/keyring.py): a key's state is derived from its times, so every
+# replica reading the same rows agrees on which key signs at any instant.
+signing_keys = Table(
+    "outbox_signing_keys",
+    metadata,
+    Column("kid", Text, primary_key=True),
+    Column("scope", Text, nullable=False),  # "" is the default scope, else a tenant id
+    Column("alg", Text, nullable=False),
+    Column("key_file", Text, nullable=False),  # where the private key lives: never its content
+    Column("public_jwk", Text, nullable=False),  # JSON, without adcp_use
+    Column("adcp_use", Text, nullable=False, server_default="request-signing"),
+    Column("published_at", _Epoch, nullable=False),
+    Column("activates_at", _Epoch),
+    Column("deactivates_at", _Epoch),
+    Column("unpublish_at", _Epoch),
+    Column("revoked_at", _Epoch),
+    _enum_check("adcp_use", ADCP_USES, "outbox_signing_keys_adcp_use_check"),
+    Index("outbox_signing_keys_scope_idx", "scope"),
+)
+
+# One row (id 1): bumped by every keyring change, so daemons poll one integer.
+keyring = Table(
+    "outbox_keyring",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("version", BigInteger, nullable=False),
 )
 
 # Every breaker transition, once (the row behind the log line and the metric).

@@ -23,6 +23,7 @@ from sqlalchemy import Text, bindparam, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breaker_transitions, breakers
+from outbox.urls import endpoint_origin
 
 CHANNEL = "outbox_wakeup"
 _PG_TYPES = {"int": "bigint", "float": "float8", "text": "text", "bool": "boolean"}
@@ -153,13 +154,15 @@ class _Statements:
         completion = _json_rows(pg, [
             ("mid", "int"), ("tok", "text"), ("new_state", "text"), ("new_reason", "text"),
             ("new_next", "float"), ("delta", "int"), ("new_status", "int"), ("new_error", "text"),
+            ("new_origin", "text"),
         ])
         self.complete = text(f"""
             UPDATE outbox_messages AS m
             SET state = v.new_state, dead_reason = v.new_reason,
                 next_attempt_at = COALESCE(v.new_next, m.next_attempt_at),
                 attempts = m.attempts + v.delta, last_status = v.new_status,
-                last_error = v.new_error, lease_token = NULL, lease_expires_at = NULL, leased_by = NULL,
+                last_error = v.new_error, origin = COALESCE(v.new_origin, m.origin),
+                lease_token = NULL, lease_expires_at = NULL, leased_by = NULL,
                 finished_at = CASE WHEN v.new_state IN ('delivered', 'dead') THEN {now} END,
                 trigger = CASE WHEN v.new_state IN ('delivered', 'dead') THEN 'scheduled' ELSE m.trigger END
             FROM {completion}
@@ -254,6 +257,7 @@ class Claimed:
     trigger: str
     claimed_at: float
     lease_token: str
+    stored_origin: str | None = None  # the origin column as read; the completion fixes it if it differs
     breaker_state: str | None = None  # this endpoint's breaker at claim time (None: no row)
     breaker_open_until: float | None = None
 
@@ -270,6 +274,7 @@ class Completion:
     attempts_delta: int = 0  # -1 when the claimed message was not sent (released, expired unsent)
     last_status: int | None = None
     last_error: str | None = None
+    origin: str | None = None  # write back this origin (the row's differed from endpoint_origin)
 
 
 async def db_now(conn: AsyncConnection) -> float:
@@ -292,6 +297,9 @@ async def claim(
     ``endpoint_concurrency`` open requests from this daemon (its in-flight rows except
     ``done_ids``, whose request is over but not yet recorded), and claiming starts no clock: the
     retry horizon counts from enqueue (``retry_until`` is stamped with that deadline).
+    Each row's origin is recomputed from its URL with :func:`outbox.urls.endpoint_origin`
+    (the completion writes back a stored one that differs): a row a plain-SQL producer wrote
+    on SQLite, or with an origin of its own, is keyed like every other.
     """
     token = uuid.uuid4().hex
     result = await conn.execute(sql(conn).claim, {
@@ -300,7 +308,8 @@ async def claim(
     })
     return [
         Claimed(
-            id=r.id, tenant_id=r.tenant_id, url=r.url, origin=r.origin, idempotency_key=r.idempotency_key,
+            id=r.id, tenant_id=r.tenant_id, url=r.url, origin=endpoint_origin(r.url), stored_origin=r.origin,
+            idempotency_key=r.idempotency_key,
             body=bytes(r.body), body_sha256=None if r.body_sha256 is None else bytes(r.body_sha256),
             auth_mode=r.auth_mode, auth_secret=None if r.auth_secret is None else bytes(r.auth_secret),
             sequence_number=r.sequence_number, notification_type=r.notification_type, attempt=r.attempts,
@@ -323,7 +332,7 @@ async def complete(conn: AsyncConnection, completions: Sequence[Completion]) -> 
     rows = json.dumps([
         {"mid": c.message_id, "tok": c.lease_token, "new_state": c.state, "new_reason": c.dead_reason,
          "new_next": c.next_attempt_at, "delta": c.attempts_delta, "new_status": c.last_status,
-         "new_error": c.last_error}
+         "new_error": c.last_error, "new_origin": c.origin}
         for c in completions
     ])
     result = await conn.execute(sql(conn).complete, {"rows": rows})

@@ -230,10 +230,38 @@ def origin(canonical_url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def without_query(url: str) -> str:
-    """The URL fit for logs and the activity record: no query, no fragment (docs/protocol.md "Attempt records")."""
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+def endpoint_origin(url: str) -> str | None:
+    """:func:`origin` of any stored URL, canonicalized first; ``None`` if it has no canonical form.
+
+    The daemon applies it to every claimed row, so a row's origin is this function's result
+    whichever way the row was written (producer, plain-SQL trigger, or neither).
+    """
+    try:  # only scheme and authority decide it: a path the sender would refuse changes nothing
+        parts = urlsplit(url)
+        return origin(canonicalize_url(urlunsplit((parts.scheme, parts.netloc, "/", "", ""))))
+    except ValueError:  # OutboxValidationError, or urlsplit's own "Invalid IPv6 URL"
+        return None
+
+
+def public_url(url: str) -> str:
+    """The URL fit for output: no userinfo, no query, no fragment, where buyers put secrets
+    (docs/protocol.md "Attempt records")."""
+    scheme, separator, rest = url.partition("://")
+    rest = _QUERY_OR_FRAGMENT.split(rest if separator else url, maxsplit=1)[0]
+    if not separator:
+        return rest
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
+
+
+_QUERY_OR_FRAGMENT = re.compile(r"[?#]")
+# A URL inside free text (a stream key, an error): its scheme, then everything up to a delimiter.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*")
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every URL in it reduced to :func:`public_url`'s form (CLI output, logs)."""
+    return _URL_IN_TEXT.sub(lambda match: public_url(match.group(0)), text) if "://" in text else text
 
 
 def validate_destination(

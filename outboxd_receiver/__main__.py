@@ -1,4 +1,4 @@
-"""``python -m outboxd_receiver [--jwks FILE] [--port-file FILE] [--log FILE] [--tls-cert PEM --tls-key PEM] [--listen N]``
+"""``python -m outboxd_receiver [--jwks FILE | --jwks-url URL...] [--port-file FILE] [--log FILE] [--tls-cert PEM --tls-key PEM] [--listen N]``
 
 With ``--listen N`` one process serves N ports (N receiver origins, as many buyers on
 distinct hosts would be); the port file then holds the N ports separated by spaces.
@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 
 from outboxd_receiver.server import Receiver, serve
-from outboxd_receiver.verifiers import adcp_verifier, library_verifier
+from outboxd_receiver.verifiers import adcp_verifier, library_verifier, served_jwks_verifier
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m outboxd_receiver", description=__doc__)
     parser.add_argument("--jwks", help="public JWKS to verify signatures with (omit: no verification)")
+    parser.add_argument("--jwks-url", action="append",
+                        help="verify with the adcp SDK against the JWKS served here now (repeatable: round robin)")
+    parser.add_argument("--revocation-url", help="with --jwks-url: also check this signed revocation list")
+    parser.add_argument("--revocation-issuer", help="the revocation list's expected issuer origin")
     parser.add_argument("--verifier", choices=["library", "adcp"], default="library")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--listen", type=int, default=1, help="how many ports (origins) to serve")
@@ -34,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.listen < 1 or (args.port and args.listen > 1):
         parser.error("--listen must be at least 1, and 1 with a fixed --port")
     verifier = None
-    if args.jwks:
+    if args.jwks_url:
+        verifier = served_jwks_verifier(args.jwks_url, args.revocation_url, args.revocation_issuer)
+    elif args.jwks:
         jwks = json.loads(Path(args.jwks).read_text())
         verifier = (adcp_verifier if args.verifier == "adcp" else library_verifier)(jwks)
     context = None

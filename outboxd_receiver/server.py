@@ -96,6 +96,7 @@ class Receiver:
                 "t": time.time(), "path": target.split("?")[0], "key": key, "status": status,
                 "sha256": hashlib.sha256(body).hexdigest(), "verified": problem is None and "signature" in headers,
                 "problem": problem, "signature_input": headers.get("signature-input"),
+                "keyid": headers.get("signature-input", "").partition('keyid="')[2].partition('"')[0] or None,
                 "content_digest": headers.get("content-digest"),
             }) + "\n")
             self._log.flush()

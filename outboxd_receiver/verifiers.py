@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -75,6 +76,36 @@ def adcp_verifier(public_jwks: dict[str, Any]) -> Verifier:
         try:
             verify_webhook_signature(method=method, url=url, headers=headers, body=body,
                                      options=WebhookVerifyOptions(jwks_resolver=resolver))
+        except Exception as exc:
+            return getattr(exc, "code", None) or type(exc).__name__
+        return None
+
+    return verify
+
+
+def served_jwks_verifier(jwks_urls: list[str], revocation_url: str | None = None,
+                         issuer: str | None = None) -> Verifier:
+    """The ``adcp`` SDK's verifier against the JWKS served right now: fetched again for every
+    request (round robin over ``jwks_urls``), as by a buyer whose cache just expired; with
+    ``revocation_url``, the SDK also fetches and checks the signed revocation list each time."""
+    import httpx
+    from adcp.signing import CachingRevocationChecker, FetchResult, InMemoryReplayStore, StaticJwksResolver
+    from adcp.signing.webhook_verifier import WebhookVerifyOptions, verify_webhook_signature
+
+    replays = InMemoryReplayStore()
+    turn = iter(range(sys.maxsize))
+    client = httpx.Client(timeout=5)  # one client: building one costs more than the fetch
+
+    def fetch_list(uri: str, **_: Any) -> Any:
+        return FetchResult(body=client.get(uri).json(), etag=None)
+
+    def verify(method: str, url: str, headers: dict[str, str], body: bytes) -> str | None:
+        try:
+            resolver = StaticJwksResolver(client.get(jwks_urls[next(turn) % len(jwks_urls)]).json())
+            revocations = None if revocation_url is None else CachingRevocationChecker(
+                revocation_uri=revocation_url, issuer=issuer or "", jwks_resolver=resolver, fetcher=fetch_list)
+            verify_webhook_signature(method=method, url=url, headers=headers, body=body, options=WebhookVerifyOptions(
+                jwks_resolver=resolver, revocation_checker=revocations, replay_store=replays))
         except Exception as exc:
             return getattr(exc, "code", None) or type(exc).__name__
         return None

@@ -18,7 +18,7 @@ from outbox.sealing import SealError, unseal
 from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor.classify import Verdict, classify_response, classify_transport_error
-from supervisor.signing import CONTENT_TYPE, Clock, KeyResolver, bearer_headers, hmac_headers, signature_headers
+from supervisor.signing import CONTENT_TYPE, Clock, KeySource, bearer_headers, hmac_headers, signature_headers
 from supervisor.transport import HttpSender
 
 
@@ -41,6 +41,10 @@ class Outcome:
     @classmethod
     def dead(cls, message: Claimed, reason: str, error: str) -> "Outcome":
         return cls(message, "dead", "failed", reason=reason, error=error[:200])
+
+
+class UnusableCredential(ValueError):
+    """A stored legacy credential that opens but can never be sent: the message is invalid."""
 
 
 class PreparationError(Exception):
@@ -74,13 +78,14 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
     return None, url
 
 
-def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolver,
+def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource,
                  clock: Clock = time.time) -> dict[str, str]:
     """Transport metadata for this attempt: the only thing that changes between attempts.
 
-    RFC 9421 unless the buyer registered legacy ``authentication`` — never both (docs/protocol.md "Legacy credentials").
-    Raises :class:`SealError` for credentials that do not open and
-    :class:`PreparationError` when the daemon lacks a key.
+    RFC 9421 unless the buyer registered legacy ``authentication`` — never both
+    (docs/protocol.md "Legacy credentials").
+    Raises :class:`SealError` for credentials that do not open, :class:`UnusableCredential`
+    for ones that cannot be a header, and :class:`PreparationError` when the daemon lacks a key.
     """
     if message.auth_mode == "rfc9421":
         try:
@@ -92,12 +97,16 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeyResolv
         raise PreparationError("legacy credentials stored but OUTBOX_ENCRYPTION_KEY is not set")
     assert message.auth_secret is not None
     secret = unseal(settings.encryption_key, message.auth_secret, message.idempotency_key.encode())
+    if not protocol.LEGACY_CREDENTIAL_RE.fullmatch(secret.decode("latin-1")):
+        # Enqueue refuses these; a plain-SQL or older row may still hold one, and it can never
+        # become a header: dead now rather than a crash or a retry loop to the horizon.
+        raise UnusableCredential("stored legacy credential is not visible ASCII")
     if message.auth_mode == "hmac":
         return {"Content-Type": CONTENT_TYPE, **hmac_headers(secret, message.body, clock=clock)}
     return {"Content-Type": CONTENT_TYPE, **bearer_headers(secret.decode())}
 
 
-async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, sender: HttpSender,
+async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, sender: HttpSender,
                   clock: Clock = time.time) -> Outcome:
     """Make one attempt; never raises for anything the message or the receiver does.
 
@@ -110,7 +119,7 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeyResolver, se
         return Outcome.dead(message, "invalid", problem)
     try:
         headers = auth_headers(message, url, settings, keys, clock)
-    except SealError as exc:
+    except (SealError, UnusableCredential) as exc:
         return Outcome.dead(message, "invalid", str(exc))
     except PreparationError as exc:
         return Outcome(message, "retry", "failed", error=str(exc)[:200])

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import store
 from outbox.config import Settings
 from outbox.store import Completion
-from outbox.urls import without_query
+from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
 from supervisor.attempt import Outcome
@@ -228,12 +228,14 @@ class Completer:
                 state, reason = "dead", "expired"
         if o.action in UNSENT:
             delta = -1
-        completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, o.error)
+        error = redact_urls(o.error) if o.error else o.error  # an error may quote a URL: never its secrets
+        completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, error,
+                                origin=m.origin if m.origin != m.stored_origin else None)
         if o.action in UNSENT:
             return completion, None
         record = DeliveryAttempt(
-            message_id=m.id, tenant_id=m.tenant_id, url=without_query(m.url), attempt_number=m.attempt,
-            outcome=o.outcome, http_status_code=o.http_status, error_message=o.error,
+            message_id=m.id, tenant_id=m.tenant_id, url=public_url(m.url), attempt_number=m.attempt,
+            outcome=o.outcome, http_status_code=o.http_status, error_message=error,
             response_time_ms=o.response_time_ms, will_retry=state == "pending",
             next_retry_at=next_at if state == "pending" else None, payload_size_bytes=len(m.body),
             sequence_number=m.sequence_number, idempotency_key=m.idempotency_key,

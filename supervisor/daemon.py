@@ -33,10 +33,11 @@ from supervisor.claimer import Claimer
 from supervisor.clock import DatabaseClock
 from supervisor.completer import Completer
 from supervisor.health import HealthServer
+from supervisor.keyring import CHANNEL as KEYRING_CHANNEL
+from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
-from supervisor.signing import KeyResolver
 from supervisor.transport import HttpSender
 from supervisor.wakeup import listen
 
@@ -79,7 +80,7 @@ class Daemon:
         self.daemon_id = new_daemon_id()
         self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics)
         self.engine = make_async_engine(settings.database_url)
-        self.keys = KeyResolver(settings)
+        self.keys = CachedKeyring(settings)
         self.sender = sender or HttpSender(settings)
         self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc)
         self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
@@ -95,17 +96,9 @@ class Daemon:
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog,
                                unrecorded=lambda: self.completer.unrecorded_ids)
-        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine))
+        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine), self.keys.documents())
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
-
-    def check_signing_key(self) -> None:
-        """Fail at start, not on the first attempt, when the default key cannot be loaded."""
-        if self.settings.signing_key_file:
-            self.keys.resolve("")
-        elif not self.settings.tenant_signing_keys:
-            raise ConfigurationError("no signing key configured: set OUTBOX_SIGNING_KEY_FILE "
-                                     "(`outboxd keys generate` makes one)")
 
     async def wait_for_schema(self, stop: asyncio.Event) -> bool:
         """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
@@ -141,7 +134,6 @@ class Daemon:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        self.check_signing_key()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -154,6 +146,7 @@ class Daemon:
         try:
             if await self.wait_for_schema(stop):
                 await self.clock.measure(self.engine)  # ClockOffsetError: never sign with a clock receivers reject
+                await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
                 ready = True
         finally:
             if not ready:  # stopped while waiting, or refused: nothing else was started
@@ -165,6 +158,7 @@ class Daemon:
         self.fanout.start()
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
+            asyncio.create_task(self.keys.run(self.engine), name="keyring"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
                                             outage=self.outage,
                                             horizon_seconds=self.settings.retry_horizon_seconds).run(),
@@ -174,6 +168,8 @@ class Daemon:
         if is_postgresql(self.settings.database_url):
             background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
                                                   name="wakeup"))
+            background.append(asyncio.create_task(listen(self.settings.database_url, self.keys.wake,
+                                                         KEYRING_CHANNEL), name="keyring-wakeup"))
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         self.log.info("daemon.started", concurrency=self.settings.concurrency,

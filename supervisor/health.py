@@ -1,4 +1,5 @@
-"""The ``/metrics``, ``/healthz`` and ``/readyz`` endpoint on ``OUTBOX_METRICS_ADDR``.
+"""The ``/metrics``, ``/healthz`` and ``/readyz`` endpoint on ``OUTBOX_METRICS_ADDR``, which
+also serves JSON documents such as the keyring's JWKS (``supervisor.keyring_cache``).
 
 A tiny asyncio HTTP/1.1 server, so it shares the daemon's event loop and needs no thread.
 ``/readyz`` checks the database and the migration revision at most every few seconds,
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -26,8 +27,10 @@ def parse_addr(addr: str, setting: str = "OUTBOX_METRICS_ADDR") -> tuple[str, in
 
 
 class HealthServer:
-    def __init__(self, metrics: Metrics, ready_check: Callable[[], Awaitable[str | None]]) -> None:
+    def __init__(self, metrics: Metrics, ready_check: Callable[[], Awaitable[str | None]],
+                 documents: Mapping[str, Callable[[], bytes | None]] | None = None) -> None:
         self._metrics = metrics
+        self._documents = dict(documents or {})  # path -> JSON bytes now (None: not available)
         self._ready_check = ready_check
         self._ready: tuple[float, str | None] = (0.0, "not checked yet")
         self._server: asyncio.Server | None = None
@@ -67,6 +70,8 @@ class HealthServer:
                 problem = await self._readiness()
                 status, ctype = (200, "text/plain") if problem is None else (503, "text/plain")
                 body = b"ready\n" if problem is None else problem.encode() + b"\n"
+            elif (document := self._documents[path]() if path in self._documents else None) is not None:
+                status, ctype, body = 200, "application/json", document
             else:
                 status, ctype, body = 404, "text/plain", b"not found\n"
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]

@@ -1,7 +1,8 @@
 """structlog set-up: JSON lines by default, readable on a terminal.
 
 Events carry ids, keys and outcomes only. Secrets never reach a log call in the first
-place; as a second line of defence a processor strips query strings from any ``url``.
+place; as a second line of defence a processor strips userinfo, query and fragment from
+every URL in any string field.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from typing import Any
 import structlog
 import structlog.tracebacks
 
-from outbox.urls import without_query
+from outbox.urls import redact_urls
 
 
 def _strip_query(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-    url = event.get("url")
-    if isinstance(url, str) and ("?" in url or "#" in url):
-        event["url"] = without_query(url)
+    for name, value in event.items():
+        if isinstance(value, str) and "://" in value:  # url, origin, sequence_key, error text
+            event[name] = redact_urls(value)
     return event
 
 

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import store
 from outbox.partitions import ensure_attempt_partitions
 from outbox.schema import breakers
-from outbox.urls import without_query
+from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
@@ -36,7 +36,7 @@ async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
         now = await store.db_now(conn)
         await store.insert_attempts(conn, [
             DeliveryAttempt(
-                message_id=r.id, tenant_id=r.tenant_id, url=without_query(r.url), attempt_number=r.attempts,
+                message_id=r.id, tenant_id=r.tenant_id, url=public_url(r.url), attempt_number=r.attempts,
                 outcome="abandoned", http_status_code=None,
                 error_message=f"lease of {r.leased_by} expired; outcome unknown"[:200], response_time_ms=None,
                 will_retry=True, next_retry_at=now, payload_size_bytes=r.payload_size,

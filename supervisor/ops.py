@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from outbox import store
 from outbox.producer import decode_body
 from outbox.schema import attempts, breakers, messages
-from outbox.urls import without_query
+from outbox.urls import public_url, redact_urls
 
 MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "auth_secret", "lease_token")]
 # Keys whose values are credentials wherever they appear in a payload: the buyer's
@@ -77,8 +77,22 @@ class Filters:
 
 
 def _message(row: Any) -> dict[str, Any]:
+    """A message for display: buyers put secrets in query strings and userinfo, so every
+    field that may hold a URL (a stream key embeds one, a plain-SQL row may carry anything)
+    shows only :func:`outbox.urls.public_url` forms."""
     data = {c.name: row._mapping[c.name] for c in MESSAGE_COLUMNS}
-    data["url"] = without_query(data["url"])  # query strings may carry buyer secrets
+    data["url"] = public_url(data["url"])
+    for field in ("origin", "sequence_key", "last_error"):
+        if data[field] is not None:
+            data[field] = redact_urls(data[field])
+    return _with_times(data)
+
+
+def _attempt(row: Any) -> dict[str, Any]:
+    data = dict(row._mapping)
+    data["url"] = public_url(data["url"])
+    if data["error"] is not None:
+        data["error"] = redact_urls(data["error"])
     return _with_times(data)
 
 
@@ -98,7 +112,7 @@ async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
         "messages": {s: int(counts.get(s, 0)) for s in ("pending", "in_flight", "delivered", "dead")},
         "oldest_due_age_seconds": round(max(now - oldest, 0.0), 3) if oldest is not None and oldest <= now else 0.0,
         "dead_by_reason": {str(k): int(v) for k, v in sorted(dead.items(), key=lambda kv: str(kv[0]))},
-        "open_breakers": [_with_times(dict(r)) for r in open_rows],
+        "open_breakers": [_breaker(r) for r in open_rows],
         "top_tenants_by_backlog": [{"tenant_id": t, "backlog": int(n)} for t, n in backlog],
     }
 
@@ -113,12 +127,19 @@ async def count_matching(conn: AsyncConnection, filters: Filters) -> int:
     return int((await conn.execute(filters.where(select(func.count()).select_from(messages)))).scalar_one())
 
 
+class AmbiguousReference(ValueError):
+    """An idempotency key that several tenants use (keys are per tenant): name the id."""
+
+
 async def find(conn: AsyncConnection, ref: str) -> Any | None:
-    """A message by numeric id or by idempotency key."""
+    """A message by numeric id or by idempotency key (refused when several tenants hold it)."""
     condition = messages.c.idempotency_key == ref
     if ref.isdigit():
         condition = or_(messages.c.id == int(ref), condition)
-    return (await conn.execute(select(messages).where(condition))).first()
+    rows = (await conn.execute(select(messages).where(condition).order_by(messages.c.id).limit(2))).all()
+    if len(rows) > 1:
+        raise AmbiguousReference(f"{ref!r} names several messages (keys are per tenant): use the message id")
+    return rows[0] if rows else None
 
 
 async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
@@ -131,7 +152,7 @@ async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
     data["payload"] = redact(body) if body is not None else None
     history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
                                  .order_by(attempts.c.attempt_number, attempts.c.id))
-    data["attempt_trail"] = [_with_times(dict(a._mapping)) for a in history]
+    data["attempt_trail"] = [_attempt(a) for a in history]
     return data
 
 
@@ -151,8 +172,8 @@ def redact(value: Any) -> Any:
         return {k: REDACTED if is_secret_key(k) and v is not None else redact(v) for k, v in value.items()}
     if isinstance(value, list):
         return [redact(v) for v in value]
-    if isinstance(value, str) and value.startswith(("http://", "https://")):
-        return without_query(value)
+    if isinstance(value, str) and "://" in value:
+        return redact_urls(value)
     return value
 
 
@@ -181,7 +202,12 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_s
 
 async def list_breakers(conn: AsyncConnection) -> list[dict[str, Any]]:
     rows = await conn.execute(select(breakers).order_by(breakers.c.tenant_id, breakers.c.origin))
-    return [_with_times(dict(r)) for r in rows.mappings()]
+    return [_breaker(r) for r in rows.mappings()]
+
+
+def _breaker(row: Any) -> dict[str, Any]:
+    """A breaker for display (a pre-0002 plain-SQL origin could keep userinfo)."""
+    return _with_times({**row, "origin": redact_urls(row["origin"])})
 
 
 async def reset_breaker(conn: AsyncConnection, tenant_id: str, origin: str) -> bool:

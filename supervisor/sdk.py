@@ -58,7 +58,8 @@ class OutboxWebhookSupervisor:
         """Enqueue durably and return ``None``: delivery happens in ``outboxd``.
 
         Delivery reports (``media_buy_delivery`` with a ``sequence_key``) get their
-        ``sequence_number`` from the outbox's durable counter for that stream.
+        ``sequence_number`` from the outbox's durable counter for that stream, scoped by this
+        supervisor's tenant: two tenants passing one ``sequence_key`` count independently.
         """
         registration = {"url": url, "operation_id": operation_id, **({"token": token} if token else {})}
         async with self._engine.begin() as conn:

@@ -20,8 +20,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from collections.abc import Sequence
-from typing import NamedTuple, cast
+from typing import Protocol, cast
 
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
@@ -29,7 +28,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
-from outbox.config import Settings
 from outbox.errors import ConfigurationError
 from outbox.urls import authority
 
@@ -37,7 +35,7 @@ __all__ = [
     "ALG_ED25519",
     "ALG_ES256",
     "COMPONENTS",
-    "KeyResolver",
+    "KeySource",
     "LABEL",
     "SigningKey",
     "TAG",
@@ -45,7 +43,6 @@ __all__ = [
     "content_digest",
     "generate_signing_key_pem",
     "hmac_headers",
-    "jwks_document",
     "load_signing_key",
     "signature_base",
     "signature_headers",
@@ -205,22 +202,6 @@ def load_signing_key(path: str | os.PathLike[str], key_id: str | None = None) ->
     return key
 
 
-def jwks_document(settings: Settings, key_specs: Sequence[tuple[str, str | None]] = ()) -> dict[str, object]:
-    """The public JWKS a seller publishes at its ``jwks_uri`` (``outboxd keys jwks``).
-
-    The keys are ``key_specs`` (``(file, key_id)`` pairs) when given, else every key the
-    daemon signs with: the default key and each tenant's. One function for the CLI and for
-    a seller serving the document itself (docs/examples/adcp_seller.py), so both always
-    publish exactly the keys the daemon signs with.
-    """
-    specs = list(key_specs) or (
-        [(settings.signing_key_file, settings.signing_key_id)] if settings.signing_key_file else []
-    ) + list(settings.tenant_signing_keys.values())
-    if not specs:
-        raise ConfigurationError("no signing key: set OUTBOX_SIGNING_KEY_FILE / OUTBOX_SIGNING_KEY_ID or pass --key FILE=KID")
-    return {"keys": [load_signing_key(file, key_id or None).public_jwk() for file, key_id in dict.fromkeys(specs)]}
-
-
 def generate_signing_key_pem(alg: str = ALG_ED25519) -> bytes:
     """A fresh unencrypted PKCS#8 PEM private key (``outboxd keys``, tests, the demo)."""
     if alg == ALG_ED25519:
@@ -320,48 +301,10 @@ def bearer_headers(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-class _Cached(NamedTuple):
-    stamp: tuple[int, int, int]  # (mtime_ns, size, inode) of the file the key came from
-    key: SigningKey
-    checked_at: float  # time.monotonic() of the last stat
-
-
-class KeyResolver:
-    """Resolves the signing key for a tenant on every attempt so a rotation needs no restart.
-
-    Rotation (docs/protocol.md "Signing") is: publish the new key in the JWKS, then replace the key file. The
-    daemon notices within ``recheck_seconds`` because it re-stats the file at most that
-    often and reloads it when ``(mtime_ns, size, inode)`` changed, so an atomic rename and
-    an in-place rewrite are both picked up (short of a same-size rewrite inside one
-    filesystem timestamp tick). Between checks a resolve is a dict lookup (~0.25 µs).
-    Not locked: two threads racing on a change at worst both parse the file.
-    """
-
-    def __init__(self, settings: Settings, *, recheck_seconds: float = 1.0) -> None:
-        self._settings = settings
-        self._recheck_seconds = recheck_seconds
-        self._cache: dict[tuple[str, str | None], _Cached] = {}
+class KeySource(Protocol):
+    """Where an attempt gets its key: ``supervisor.keyring_cache.CachedKeyring`` in the daemon,
+    which picks the tenant's scope's active key at the moment of the attempt."""
 
     def resolve(self, tenant_id: str) -> SigningKey:
-        """The key for ``tenant_id``: its own ``tenant_signing_keys`` entry, else the default."""
-        file, key_id = self._settings.tenant_signing_keys.get(tenant_id) or (
-            self._settings.signing_key_file,
-            self._settings.signing_key_id,
-        )
-        if not file:
-            raise ConfigurationError(
-                "no signing key configured: set OUTBOX_SIGNING_KEY_FILE (and OUTBOX_SIGNING_KEY_ID for a PEM key) "
-                "or a tenant_signing_keys entry for this tenant"
-            )
-        now = time.monotonic()
-        cached = self._cache.get((file, key_id))
-        if cached is not None and now - cached.checked_at < self._recheck_seconds:
-            return cached.key
-        try:
-            st = os.stat(file)
-        except OSError as exc:
-            raise _read_error(file, exc) from None
-        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
-        key = cached.key if cached is not None and cached.stamp == stamp else load_signing_key(file, key_id)
-        self._cache[(file, key_id)] = _Cached(stamp, key, now)
-        return key
+        """The key to sign ``tenant_id``'s webhook with now; ``ConfigurationError`` if none can."""
+        ...

@@ -21,14 +21,14 @@ def _libpq_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-async def listen(url: str, on_notify: Callable[[], None]) -> None:
-    """Call ``on_notify`` for each notification, forever, reconnecting with back-off."""
+async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL) -> None:
+    """Call ``on_notify`` for each notification on ``channel``, forever, reconnecting with back-off."""
     log = structlog.get_logger("outboxd.wakeup")
     delay = 0.5
     while True:
         try:
             async with await psycopg.AsyncConnection.connect(_libpq_url(url), autocommit=True) as conn:
-                await conn.execute(f"LISTEN {CHANNEL}")
+                await conn.execute(f"LISTEN {channel}")
                 delay = 0.5
                 on_notify()  # anything committed while we were away is picked up now
                 async for _ in conn.notifies():

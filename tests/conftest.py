@@ -48,12 +48,13 @@ def _truncate(engine: Engine) -> None:
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(
-                "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions"
+                "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions, "
+                "outbox_signing_keys"
                 " RESTART IDENTITY"
             )
         else:
             for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
-                          "outbox_breaker_transitions"):
+                          "outbox_breaker_transitions", "outbox_signing_keys"):
                 conn.exec_driver_sql(f"DELETE FROM {table}")
 
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,12 +66,12 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
 
 
 @contextmanager
-def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver"
-             ) -> Iterator[tuple[int, Path]]:
+def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver",
+             extra: Sequence[str] = ()) -> Iterator[tuple[int, Path]]:
     """A receiver process; yields (port, arrivals JSONL file)."""
     port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
     args = [sys.executable, "-m", "outboxd_receiver", "--port-file", str(port_file), "--log", str(log),
-            "--verifier", verifier]
+            "--verifier", verifier, *extra]
     if jwks is not None:
         args += ["--jwks", str(jwks)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)

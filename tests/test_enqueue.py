@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import aio
 from outbox.db import make_async_engine
+from outbox.identity import stream_key
 from outbox.schema import messages, sequences
 from tests.adcp_schema import assert_valid
 
@@ -112,7 +113,7 @@ def test_sequence_numbers_gapless_under_concurrency_in_commit_order(pg_engine, s
                                                         media_buy_id="mb_hot", result=DELIVERY, settings=settings)
                 committed_before = conn.execute(text(
                     "SELECT count(*) FROM outbox_messages WHERE sequence_key = :k AND id <> :id"),
-                    {"k": f"t1:mb_hot:{REPORTING['url']}", "id": record.id}).scalar_one()
+                    {"k": stream_key("t1", "mb_hot", REPORTING["url"]), "id": record.id}).scalar_one()
                 if committed_before != record.sequence_number - 1:
                     errors.append(f"{record.sequence_number} allocated with {committed_before} committed")
             with lock:
@@ -274,5 +275,5 @@ def test_pure_sql_enqueue_on_postgresql(pg_engine, pg_url):
     with pg_engine.connect() as conn:
         rows = conn.execute(select(messages).order_by(messages.c.id)).all()
     assert [r.state for r in rows] == ["pending"] * 3
-    assert rows[0].origin == "https://b.example:443" and rows[0].body_sha256 == hashlib.sha256(rows[0].body).digest()
+    assert rows[0].origin == "https://b.example" and rows[0].body_sha256 == hashlib.sha256(rows[0].body).digest()
     assert rows[0].created_at > 1.7e9 and rows[0].next_attempt_at == rows[0].created_at and seq == 1

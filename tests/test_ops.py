@@ -16,6 +16,7 @@ from sqlalchemy import select
 import outbox
 from outbox.schema import attempts, breakers, messages
 from supervisor.cli import main
+from supervisor.signing import load_signing_key
 from tests import procs
 from tests.test_e2e import SETTINGS, enqueue_many, finished
 
@@ -109,16 +110,13 @@ def test_purge_rejects_bad_duration():
         main(["purge", "--older-than", "soon"])
 
 
-def test_keys_generate_and_jwks(tmp_path, capsys, monkeypatch):
+def test_keys_generate(tmp_path, capsys):
     pem = tmp_path / "k.pem"
     assert main(["keys", "generate", "--alg", "es256", "--out", str(pem)]) == 0
     assert pem.stat().st_mode & 0o777 == 0o600
     assert main(["keys", "generate", "--out", str(pem)]) == 1  # refuses to overwrite
-    capsys.readouterr()
-    assert main(["keys", "jwks", "--key", f"{pem}=kid-1"]) == 0
-    [jwk] = json.loads(capsys.readouterr().out)["keys"]
-    assert jwk["kid"] == "kid-1" and jwk["alg"] == "ES256" and jwk["use"] == "sig"
-    assert jwk["key_ops"] == ["verify"] and jwk["adcp_use"] == "request-signing" and "d" not in jwk
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert load_signing_key(pem, "k").alg == "ecdsa-p256-sha256"
 
 
 def test_metrics_health_and_no_secret_anywhere(pg_engine, pg_url, tmp_path):

@@ -33,7 +33,6 @@ from http_message_signatures import algorithms as hms_algorithms
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from outbox.config import Settings
 from outbox.errors import ConfigurationError
 from outbox.urls import canonicalize_url
 from supervisor.signing import (
@@ -42,7 +41,6 @@ from supervisor.signing import (
     COMPONENTS,
     LABEL,
     TAG,
-    KeyResolver,
     SigningKey,
     bearer_headers,
     content_digest,
@@ -470,59 +468,3 @@ def test_load_errors_are_one_line_and_leak_nothing(name: str, tmp_path: Path) ->
         assert material[:12] not in message, f"{name}: the message quotes key material"
 
 
-# --------------------------------------------------------------------------- KeyResolver
-
-
-def _write_key(path: Path, alg: str = ALG_ED25519) -> SigningKey:
-    """Replace ``path`` atomically, the way an operator or a secret manager rotates a key."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(generate_signing_key_pem(alg))
-    os.replace(tmp, path)
-    return load_signing_key(path, "k")
-
-
-def test_resolver_picks_up_rotation(tmp_path: Path) -> None:
-    path = tmp_path / "signing.pem"
-    first = _write_key(path)
-    resolver = KeyResolver(Settings(signing_key_file=str(path), signing_key_id="k"), recheck_seconds=0)
-    assert resolver.resolve("t").public_jwk() == first.public_jwk()
-    assert resolver.resolve("t") is resolver.resolve("t")  # unchanged file: not parsed again
-
-    second = _write_key(path)  # atomic rename: new inode
-    assert resolver.resolve("t").public_jwk() == second.public_jwk() != first.public_jwk()
-
-    path.write_bytes(generate_signing_key_pem(ALG_ES256))  # in-place rewrite: new size and mtime
-    assert resolver.resolve("t").alg == ALG_ES256
-
-
-def test_resolver_rechecks_at_most_every_recheck_seconds(tmp_path: Path) -> None:
-    path = tmp_path / "signing.pem"
-    first = _write_key(path)
-    resolver = KeyResolver(Settings(signing_key_file=str(path), signing_key_id="k"), recheck_seconds=3600)
-    assert resolver.resolve("t").public_jwk() == first.public_jwk()
-    _write_key(path)
-    assert resolver.resolve("t").public_jwk() == first.public_jwk()  # cached until the next check
-
-
-def test_resolver_per_tenant_keys(tmp_path: Path) -> None:
-    default = _write_key(tmp_path / "default.pem")
-    (tmp_path / "acme.jwk").write_text(json.dumps(_private_jwk(ec.generate_private_key(ec.SECP256R1()), "acme-1")))
-    settings_ = Settings(
-        signing_key_file=str(tmp_path / "default.pem"),
-        signing_key_id="k",
-        tenant_signing_keys={"acme": (str(tmp_path / "acme.jwk"), "acme-2026")},
-    )
-    resolver = KeyResolver(settings_, recheck_seconds=0)
-    acme = resolver.resolve("acme")
-    assert (acme.key_id, acme.alg) == ("acme-2026", ALG_ES256)  # the configured key id wins over the kid
-    assert resolver.resolve("other").public_jwk() == default.public_jwk()
-
-
-def test_resolver_without_configuration(tmp_path: Path) -> None:
-    with pytest.raises(ConfigurationError, match="^no signing key configured: set OUTBOX_SIGNING_KEY_FILE"):
-        KeyResolver(Settings()).resolve("t")
-    only_acme = Settings(tenant_signing_keys={"acme": (str(tmp_path / "gone.pem"), "k")})
-    with pytest.raises(ConfigurationError, match="no signing key configured"):
-        KeyResolver(only_acme).resolve("other")
-    with pytest.raises(ConfigurationError, match="gone.pem: cannot read it"):
-        KeyResolver(only_acme).resolve("acme")

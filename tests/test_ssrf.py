@@ -14,7 +14,9 @@ import outbox
 from outbox.store import Claimed
 from outbox.urls import blocked_reason
 from supervisor.attempt import attempt
-from supervisor.signing import KeyResolver, generate_signing_key_pem
+from outbox.db import make_async_engine
+from supervisor.keyring_cache import CachedKeyring
+from supervisor.signing import generate_signing_key_pem
 from supervisor.transport import HttpSender
 
 BLOCKED = [
@@ -59,6 +61,17 @@ def test_allowed_cidrs_open_a_private_network_but_never_metadata():
     assert blocked_reason(ipaddress.ip_address("192.168.1.1"), allowed) == "private"
 
 
+async def _keyring(settings: outbox.Settings, database_url: str) -> CachedKeyring:
+    """The daemon's keyring, seeded from the configured key file."""
+    engine = make_async_engine(database_url)
+    keys = CachedKeyring(settings)
+    try:
+        await keys.start(engine)
+    finally:
+        await engine.dispose()
+    return keys
+
+
 def _claimed(url: str) -> Claimed:
     key = "whk_ssrf_test_key_000000001"
     body = json.dumps({"idempotency_key": key, "task_id": "t"}).encode()
@@ -70,7 +83,7 @@ def _claimed(url: str) -> Claimed:
 
 @pytest.mark.parametrize("resolved", ["10.0.0.7", "127.0.0.1", "169.254.169.254", "::ffff:192.168.0.1",
                                       "fe80::1"])
-async def test_a_host_resolving_to_a_blocked_address_is_dead_blocked(tmp_path, resolved):
+async def test_a_host_resolving_to_a_blocked_address_is_dead_blocked(tmp_path, sqlite_url, resolved):
     """Send time ("Destinations (SSRF)"): resolve, vet every answer, never connect; the error is generic."""
     pem = tmp_path / "k.pem"
     pem.write_bytes(generate_signing_key_pem())
@@ -84,7 +97,7 @@ async def test_a_host_resolving_to_a_blocked_address_is_dead_blocked(tmp_path, r
     sender = HttpSender(settings, resolver=resolver)
     try:
         outcome = await attempt(_claimed("https://buyer.example.com/hook?token=s3cret"), settings=settings,
-                                keys=KeyResolver(settings), sender=sender)
+                                keys=await _keyring(settings, sqlite_url), sender=sender)
     finally:
         await sender.aclose()
     assert (outcome.action, outcome.reason, outcome.sent) == ("dead", "blocked", False)
@@ -94,14 +107,14 @@ async def test_a_host_resolving_to_a_blocked_address_is_dead_blocked(tmp_path, r
         assert leak not in outcome.error
 
 
-async def test_http_is_blocked_unless_allowed(tmp_path):
+async def test_http_is_blocked_unless_allowed(tmp_path, sqlite_url):
     pem = tmp_path / "k.pem"
     pem.write_bytes(generate_signing_key_pem())
     strict = outbox.load_settings(env={}, signing_key_file=str(pem), signing_key_id="k")
     sender = HttpSender(strict)
     try:
         outcome = await attempt(_claimed("http://buyer.example.com/hook"), settings=strict,
-                                keys=KeyResolver(strict), sender=sender)
+                                keys=await _keyring(strict, sqlite_url), sender=sender)
     finally:
         await sender.aclose()
     # Caught by the row's integrity check (same rules as enqueue) before any lookup.

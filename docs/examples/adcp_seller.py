@@ -34,7 +34,7 @@ import outbox
 from outbox import aio
 from outbox.db import make_async_engine, make_engine
 from outbox.migrate import upgrade
-from supervisor import signing
+from supervisor import keyring
 
 SETTINGS = outbox.load_settings()  # the daemon's settings: same database, key and horizon
 TENANT = "example-seller"  # the outbox tenant: breakers and signing keys are per tenant
@@ -57,13 +57,15 @@ inventory = Table(
 engine = make_async_engine(SETTINGS.database_url)
 
 
-def jwks_document() -> dict[str, Any]:
-    """The JWKS to publish: the same function ``outboxd keys jwks`` prints from."""
-    return signing.jwks_document(SETTINGS)
+async def jwks_document() -> dict[str, Any]:
+    """The JWKS to publish: the keyring's, as ``outboxd keys jwks`` prints it."""
+    async with engine.connect() as conn:
+        snapshot = await conn.run_sync(keyring.read_snapshot)
+    return keyring.jwks_document(snapshot.records, snapshot.now)
 
 
 async def serve_jwks(request: Request) -> JSONResponse:
-    return JSONResponse(jwks_document(), headers={"Cache-Control": "max-age=300"})
+    return JSONResponse(await jwks_document(), headers={"Cache-Control": "max-age=300"})
 
 
 class ExampleSeller(DecisioningPlatform):

@@ -9,7 +9,7 @@ because a partitioned table's key must include the partition key; the old table'
 rebuilt so once (a write lock on it for the time of one index build). SQLite is unchanged: its purge deletes rows.
 
 Revision ID: 0007_attempt_partitions
-Revises: 0003_breaker_window
+Revises: 0002_tenant_identity
 Create Date: 2026-12-01
 """
 
@@ -21,7 +21,7 @@ from outbox.migrate import record_min_reader
 from outbox.partitions import AHEAD_DAYS, ENSURE_FUNCTION
 
 revision = "0007_attempt_partitions"
-down_revision = "0003_breaker_window"
+down_revision = "0002_tenant_identity"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,286 @@
+"""The keyring's state machine and CLI on PostgreSQL and SQLite (supervisor/keyring.py).
+
+Times are the database's; a test that needs "later" reads a key's state at a later instant
+(state is a pure function of the stored times) instead of sleeping, except where a real
+daemon cache must notice a change.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from adcp.signing import CachingRevocationChecker, FetchResult, StaticJwksResolver
+from cryptography.hazmat.primitives import serialization
+
+from outbox.config import Settings
+from outbox.db import make_async_engine
+from outbox.errors import ConfigurationError
+from supervisor import keyring
+from supervisor.cli import main
+from supervisor.keyring import KeyringError, read_snapshot
+from supervisor.keyring_cache import CachedKeyring
+from supervisor.signing import MAX_VALIDITY_SECONDS, generate_signing_key_pem, load_signing_key
+
+ISSUER = "https://seller.example.com"
+
+
+def key_file(directory: Path, name: str, alg: str = "ed25519") -> Path:
+    path = directory / f"{name}.pem"
+    path.write_bytes(generate_signing_key_pem(alg))
+    return path
+
+
+def stage(conn, directory: Path, kid: str, scope: str = "", **kw):
+    path = key_file(directory, kid)
+    return keyring.stage(conn, scope=scope, key=load_signing_key(path, kid), key_file=str(path), **kw)
+
+
+def snapshot(engine) -> keyring.Snapshot:
+    with engine.connect() as conn:
+        return read_snapshot(conn)
+
+
+def by_kid(snap: keyring.Snapshot) -> dict[str, keyring.KeyRecord]:
+    return {r.kid: r for r in snap.records}
+
+
+def published(snap: keyring.Snapshot, at: float) -> list[str]:
+    return [k["kid"] for k in keyring.jwks_document(snap.records, at)["keys"]]
+
+
+@pytest.fixture
+def seeded(engine, tmp_path) -> Settings:
+    """Settings with one default key file, registered as the default scope's active key."""
+    settings = Settings(signing_key_file=str(key_file(tmp_path, "k1")), signing_key_id="k1")
+    with engine.begin() as conn:
+        assert [r.kid for r in keyring.bootstrap(conn, settings)] == ["k1"]
+    return settings
+
+
+def test_bootstrap_registers_the_configured_keys_once(engine, tmp_path):
+    settings = Settings(signing_key_file=str(key_file(tmp_path, "k1")), signing_key_id="k1",
+                        tenant_signing_keys={"acme": (str(key_file(tmp_path, "acme-1", "ecdsa-p256-sha256")),
+                                                      "acme-1")})
+    with engine.begin() as conn:
+        assert sorted(r.kid for r in keyring.bootstrap(conn, settings)) == ["acme-1", "k1"]
+    with engine.begin() as conn:
+        assert keyring.bootstrap(conn, settings) == []  # each scope has keys now: left alone
+    snap = snapshot(engine)
+    assert {r.kid: (r.scope, r.state(snap.now)) for r in snap.records} == {"k1": ("", "active"),
+                                                                           "acme-1": ("acme", "active")}
+    assert snap.scope_of("acme", snap.now) == "acme" and snap.scope_of("other", snap.now) == ""
+    assert all(Path(r.key_file).is_absolute() for r in snap.records)
+    jwks = keyring.jwks_document(snap.records, snap.now)
+    assert [k["kid"] for k in jwks["keys"]] == ["k1", "acme-1"]
+    assert all(k["adcp_use"] == "request-signing" and "d" not in k for k in jwks["keys"])
+
+
+def test_stage_publishes_without_signing_and_promotion_waits_for_the_cache_window(engine, tmp_path, seeded):
+    with engine.begin() as conn:
+        k2 = stage(conn, tmp_path, "k2")
+    snap = snapshot(engine)
+    assert by_kid(snap)["k2"].state(snap.now) == "next"
+    assert published(snap, snap.now) == ["k1", "k2"]
+    assert snap.active("", snap.now).kid == "k1"
+    with engine.begin() as conn, pytest.raises(KeyringError, match="published for 0 s; buyers may cache the JWKS "
+                                                                     "for 1800 s .* or pass --force$"):
+        keyring.promote(conn, cache_window=seeded.key_cache_window_seconds)
+    with engine.begin() as conn:
+        done = keyring.promote(conn, cache_window=0)
+    assert (done.new.kid, done.old.kid, done.forced_early) == ("k2", "k1", False)
+    snap = snapshot(engine)
+    k1, k2 = by_kid(snap)["k1"], by_kid(snap)["k2"]
+    switch = done.switch_at
+    assert switch == pytest.approx(snap.now + keyring.SWITCH_DELAY_SECONDS, abs=0.5)
+    # Before the switch instant nothing changes; at it, every reader sees the new key.
+    assert (k1.state(switch - 0.001), k2.state(switch - 0.001)) == ("active", "next")
+    assert (k1.state(switch), k2.state(switch)) == ("retiring", "active")
+    # The old key stays published for the signature validity, the verifier's skew and the window.
+    gone = switch + MAX_VALIDITY_SECONDS + keyring.VERIFIER_SKEW_SECONDS + 0
+    assert k1.unpublish_at == pytest.approx(gone)
+    assert published(snap, gone - 0.001) == ["k1", "k2"] and published(snap, gone) == ["k2"]
+    assert k1.state(gone) == "retired"
+
+
+def test_force_promotes_early_and_says_so(engine, tmp_path, seeded):
+    with engine.begin() as conn:
+        stage(conn, tmp_path, "k2")
+        done = keyring.promote(conn, cache_window=1800, force=True)
+    assert done.forced_early and done.new.kid == "k2"
+    with engine.begin() as conn, pytest.raises(KeyringError, match="no next key"):
+        keyring.promote(conn, cache_window=0)
+
+
+def test_refusals_are_one_line(engine, tmp_path, seeded):
+    with engine.begin() as conn:
+        stage(conn, tmp_path, "k2")
+        stage(conn, tmp_path, "k3")
+    cases = [
+        (lambda c: keyring.promote(c, cache_window=0), "several next keys; name one: k2, k3"),
+        (lambda c: keyring.promote(c, kid="k1", cache_window=0), "'k1' is active, only a next key"),
+        (lambda c: keyring.promote(c, kid="nope", cache_window=0), "no key 'nope'"),
+        (lambda c: keyring.stage(c, scope="acme", key=load_signing_key(key_file(tmp_path, "other"), "k1"),
+                                 key_file="other.pem"), "'k1' is already in the keyring (the default scope)"),
+        (lambda c: keyring.stage(c, scope="", key=load_signing_key(seeded.signing_key_file, "again"),
+                                 key_file=seeded.signing_key_file), "already in the keyring as 'k1'"),
+        (lambda c: stage(c, tmp_path, "k9", adcp_use="governance-signing"), "adcp_use must be"),
+        (lambda c: keyring.revoke(c, "nope"), "no key 'nope'"),
+    ]
+    for change, message in cases:
+        with engine.begin() as conn, pytest.raises(KeyringError) as err:
+            change(conn)
+        assert message in str(err.value) and "\n" not in str(err.value)
+    with engine.begin() as conn:
+        keyring.promote(conn, kid="k3", cache_window=0)
+    with engine.begin() as conn, pytest.raises(KeyringError, match="already has a switch scheduled"):
+        keyring.promote(conn, kid="k2", cache_window=0)
+
+
+def test_revoke_stops_publishing_at_once_and_lists_the_kid(engine, tmp_path, seeded):
+    with engine.begin() as conn:
+        stage(conn, tmp_path, "k2")
+        keyring.promote(conn, cache_window=0)
+    with engine.begin() as conn:
+        keyring.revoke(conn, "k1")  # the retiring key
+    snap = snapshot(engine)
+    assert by_kid(snap)["k1"].state(snap.now) == "revoked"
+    assert published(snap, snap.now) == ["k2"]
+    with engine.begin() as conn, pytest.raises(KeyringError, match="already revoked"):
+        keyring.revoke(conn, "k1")
+    # The SDK fetches, verifies and applies the signed list (security page, "Transport revocation").
+    signer = snap.signer(snap.now + 2)
+    document = keyring.revocation_document(snap.records, snap.now, issuer=ISSUER,
+                                           signer=load_signing_key(signer.key_file, signer.kid))
+    checker = CachingRevocationChecker(
+        revocation_uri=ISSUER + "/.well-known/governance-revocations.json", issuer=ISSUER,
+        jwks_resolver=StaticJwksResolver(keyring.jwks_document(snap.records, snap.now + 2)),
+        fetcher=lambda uri, **_: FetchResult(body=document, etag=None))
+    assert checker("k1") is True and checker("k2") is False
+
+
+def test_revoking_a_pending_promotion_keeps_the_current_key(engine, tmp_path, seeded):
+    with engine.begin() as conn:
+        stage(conn, tmp_path, "k2")
+        keyring.promote(conn, cache_window=0)
+        keyring.revoke(conn, "k2")
+    snap = snapshot(engine)
+    later = snap.now + 3600
+    assert by_kid(snap)["k1"].state(later) == "active" and by_kid(snap)["k2"].state(later) == "revoked"
+
+
+def test_a_tenants_own_keys_take_over_only_once_active_and_never_fall_back(engine, tmp_path, seeded):
+    with engine.begin() as conn:
+        stage(conn, tmp_path, "acme-1", scope="acme")
+    snap = snapshot(engine)
+    assert snap.scope_of("acme", snap.now) == ""  # a staged first key: acme still signs with k1
+    with engine.begin() as conn:
+        done = keyring.promote(conn, scope="acme", cache_window=0)
+    snap = snapshot(engine)
+    assert done.old is None and snap.scope_of("acme", done.switch_at) == "acme"
+    assert snap.active("", done.switch_at).kid == "k1"  # the default scope did not move
+    time.sleep(max(done.switch_at - snap.now, 0) + 0.05)  # revoked once it has signed, not while pending
+    with engine.begin() as conn:
+        keyring.revoke(conn, "acme-1")
+    snap = snapshot(engine)
+    assert snap.scope_of("acme", snap.now + 5) == "acme" and snap.active("acme", snap.now + 5) is None
+
+
+@pytest.fixture
+def database_url(engine, request) -> str:
+    return request.getfixturevalue("pg_url" if engine.dialect.name == "postgresql" else "sqlite_url")
+
+
+async def test_daemon_cache_follows_the_database(engine, database_url, tmp_path, seeded):
+    async_engine = make_async_engine(database_url)
+    try:
+        cache = CachedKeyring(seeded)
+        await cache.start(async_engine)
+        assert cache.resolve("acme").key_id == "k1"
+        assert await cache.refresh(async_engine) is False  # version unchanged: no reread
+        assert abs(cache.now() - snapshot(engine).now) < 1.0
+        with engine.begin() as conn:
+            stage(conn, tmp_path, "k2")
+            keyring.promote(conn, cache_window=0)
+        assert await cache.refresh(async_engine) is True
+        assert cache.resolve("acme").key_id == "k1"  # the switch is scheduled, not yet due
+        assert [k["kid"] for k in cache.jwks()["keys"]] == ["k1", "k2"]
+        assert cache.revocations() is None  # no OUTBOX_REVOCATION_ISSUER
+        with engine.begin() as conn:
+            keyring.revoke(conn, "k2")  # cancels the switch
+            stage(conn, tmp_path, "k3")
+        (tmp_path / "k3.pem").write_bytes(generate_signing_key_pem())  # the file no longer matches
+        await cache.refresh(async_engine)
+        with engine.begin() as conn:
+            keyring.promote(conn, cache_window=0)
+        await cache.refresh(async_engine)
+        cache._offset += keyring.SWITCH_DELAY_SECONDS + 0.1  # look just past the switch instant
+        with pytest.raises(ConfigurationError, match="k3.pem no longer holds the key published as 'k3'"):
+            cache.resolve("acme")
+    finally:
+        await async_engine.dispose()
+
+
+async def test_daemon_start_needs_a_key(database_url):
+    async_engine = make_async_engine(database_url)
+    try:
+        with pytest.raises(ConfigurationError, match="^no signing key: set OUTBOX_SIGNING_KEY_FILE"):
+            await CachedKeyring(Settings()).start(async_engine)
+    finally:
+        await async_engine.dispose()
+
+
+def run_cli(capsys, monkeypatch, url: str, *args: str, **env: str) -> tuple[int, str, str]:
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", url)
+    for name, value in env.items():
+        monkeypatch.setenv(f"OUTBOX_{name.upper()}", value)
+    code = main(["keys", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_rotation_from_the_config_key(database_url, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OUTBOX_SIGNING_KEY_FILE", str(key_file(tmp_path, "k1")))
+    monkeypatch.setenv("OUTBOX_SIGNING_KEY_ID", "k1")
+    cli = lambda *a, **e: run_cli(capsys, monkeypatch, database_url, *a, **e)  # noqa: E731
+    code, out, _ = cli("rotate", "--generate", str(tmp_path / "k2.pem"), "--kid", "k2")
+    assert code == 0 and out.startswith("staged k2 for the default scope as next")
+    assert (tmp_path / "k2.pem").stat().st_mode & 0o777 == 0o600
+    code, _, err = cli("promote")
+    assert code == 1 and err.count("\n") == 1 and "or pass --force" in err
+    code, out, _ = cli("list", "--json")
+    assert {r["kid"]: r["state"] for r in json.loads(out)} == {"k1": "active", "k2": "next"}
+    code, out, err = cli("promote", "--json", key_cache_window_seconds="0")
+    assert code == 0 and json.loads(out)["retiring"] == "k1" and err == ""
+    code, out, _ = cli("jwks")
+    assert [k["kid"] for k in json.loads(out)["keys"]] == ["k1", "k2"]
+    code, out, err = cli("revoke", "k1")
+    assert code == 0 and "revoked k1" in out and "OUTBOX_REVOCATION_ISSUER is not set" in err
+    code, out, _ = cli("list")
+    assert out.splitlines()[0].split()[:3] == ["KID", "SCOPE", "STATE"] and " revoked " in out
+    code, _, err = cli("revocations")
+    assert code == 1 and "set OUTBOX_REVOCATION_ISSUER" in err
+    code, out, _ = cli("revocations", revocation_issuer=ISSUER)
+    assert code == 0 and json.loads(out)["signatures"][0]["protected"]
+
+
+def test_cli_stages_a_jwk_with_its_kid_and_warns_on_the_deprecated_purpose(database_url, tmp_path, capsys,
+                                                                          monkeypatch):
+    monkeypatch.setenv("OUTBOX_SIGNING_KEY_FILE", str(key_file(tmp_path, "k1")))
+    monkeypatch.setenv("OUTBOX_SIGNING_KEY_ID", "k1")
+    jwk = {**load_signing_key(key_file(tmp_path, "j"), "from-jwk").public_jwk(), "d": None}
+    private = load_signing_key(tmp_path / "j.pem", "x").private_key
+    raw = private.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                serialization.NoEncryption())
+    jwk["d"] = keyring._b64url(raw)
+    (tmp_path / "j.jwk").write_text(json.dumps(jwk))
+    code, out, err = run_cli(capsys, monkeypatch, database_url, "rotate", "--tenant", "acme", "--key-file",
+                             str(tmp_path / "j.jwk"), "--adcp-use", "webhook-signing", "--json")
+    assert code == 0 and json.loads(out)["staged"] == "from-jwk" and "deprecated (adcp#5555)" in err
+    code, out, _ = run_cli(capsys, monkeypatch, database_url, "jwks")
+    keys = {k["kid"]: k for k in json.loads(out)["keys"]}
+    assert keys["from-jwk"]["adcp_use"] == "webhook-signing" and keys["k1"]["adcp_use"] == "request-signing"
+    code, _, err = run_cli(capsys, monkeypatch, database_url, "rotate", "--key-file", str(tmp_path / "absent.pem"))
+    assert code == 1 and "cannot read it" in err
