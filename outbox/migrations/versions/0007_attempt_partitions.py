@@ -15,10 +15,12 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from alembic import op
 
 from outbox.migrate import record_min_reader
 from outbox.partitions import AHEAD_DAYS, ENSURE_FUNCTION
+from outbox.schema import schema_compat
 
 revision = "0007_attempt_partitions"
 down_revision = "0002_tenant_identity"
@@ -55,6 +57,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.execute(sa.delete(schema_compat).where(schema_compat.c.revision == revision))
     if op.get_bind().dialect.name != "postgresql":
         return
     for statement in (
