@@ -20,12 +20,13 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from outbox.errors import ConfigurationError
+from outbox.sealing import SealingKeys, sealing_keys
 
 ENV_PREFIX = "OUTBOX_"
 # OUTBOX_ variables that are not settings but are read all the same.
 OTHER_VARIABLES = frozenset({"OUTBOX_CONFIG"})
 # Settings never printed in clear (``outboxd config``); the database URL loses its password.
-SECRET_SETTINGS = frozenset({"encryption_key", "ui_token"})
+SECRET_SETTINGS = frozenset({"encryption_key", "encryption_old_keys", "ui_token"})
 MASK = "****"
 # docs/protocol.md, "Retry horizon": delivery_retry_horizon_seconds is 86400..604800.
 MIN_HORIZON = 86_400
@@ -107,7 +108,8 @@ class Settings:
     metrics_addr: str | None = None
     allow_http: bool = False
     allowed_cidrs: tuple[Network, ...] = ()
-    encryption_key: bytes | None = None  # AES-256-GCM key for legacy credentials at rest
+    encryption_key: bytes | None = None  # AES-256-GCM key sealing bodies and credentials at rest
+    encryption_old_keys: tuple[bytes, ...] = ()  # older keys that still open (key rotation)
     concurrency: int = 64  # requests in flight per daemon process
     endpoint_concurrency: int = 8  # requests in flight per endpoint origin
     claim_batch: int = 50
@@ -169,6 +171,10 @@ class Settings:
                 f"got {self.revocation_issuer!r}"
             )
 
+    def sealing(self) -> SealingKeys | None:
+        """The keys that seal bodies and credentials at rest (``None``: stored in plaintext)."""
+        return sealing_keys(self.encryption_key, self.encryption_old_keys)
+
     def is_allowed_private(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         """Whether ``address`` sits in a network the operator exempted from the SSRF block."""
         return any(address.version == net.version and address in net for net in self.allowed_cidrs)
@@ -205,17 +211,21 @@ def _parse_cidrs(raw: Any) -> tuple[Network, ...]:
     return tuple(networks)
 
 
-def _parse_encryption_key(raw: Any) -> bytes:
+def _parse_encryption_key(raw: Any, variable: str = "OUTBOX_ENCRYPTION_KEY") -> bytes:
     try:
-        key = base64.b64decode(str(raw), validate=True)
+        key = base64.b64decode(str(raw).strip(), validate=True)
     except ValueError:
         key = b""
     if len(key) != 32:
         raise ConfigurationError(
-            "OUTBOX_ENCRYPTION_KEY must be 32 bytes in base64 (e.g. `python -c "
-            "'import os,base64;print(base64.b64encode(os.urandom(32)).decode())'`)"
+            f"{variable} must be 32 bytes in base64 (`outboxd encryption generate` prints one)"
         )
     return key
+
+
+def _parse_old_keys(raw: Any) -> tuple[bytes, ...]:
+    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+    return tuple(_parse_encryption_key(i, "each of OUTBOX_ENCRYPTION_OLD_KEYS") for i in items if str(i).strip())
 
 
 def _parse_tenant_keys(raw: Any) -> dict[str, tuple[str, str]]:
@@ -240,6 +250,8 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         return _parse_cidrs(raw)
     if name == "encryption_key":
         return _parse_encryption_key(raw)
+    if name == "encryption_old_keys":
+        return _parse_old_keys(raw)
     if name == "sinks":
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         return tuple(s.strip() for s in items if str(s).strip())

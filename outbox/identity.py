@@ -25,6 +25,7 @@ import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from weakref import WeakKeyDictionary
@@ -34,6 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
 from outbox.schema import messages
+from outbox.sealing import SealError, SealingKeys, plaintext, sealed_row
 from outbox.wire import json_default
 
 # Top-level body fields that describe the rendering, not the notification.
@@ -72,16 +74,17 @@ def decode_body(body: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def binding_digest(row: Mapping[str, Any], content: Mapping[str, Any] | None = None) -> bytes | None:
-    """SHA-256 of the logical notification a message row carries (``None``: body not JSON).
+def binding_material(row: Mapping[str, Any], content: Mapping[str, Any] | None = None) -> bytes | None:
+    """The canonical bytes of the logical notification a message row carries (``None``: body not JSON).
 
     Covers the destination, the auth mode, the horizon, the notification type, the stream
     and the body, minus :data:`TRANSPORT_FIELDS` and (for a numbered report) the allocated
-    ``result.sequence_number``. Legacy credentials are left out on purpose: a secret must
-    not feed an unkeyed digest, and a rotated credential is transport, not content. JSON
-    is canonicalized (sorted keys), so a plain-SQL body with another key order still matches.
-    ``content`` is the body as a mapping when the caller has it (the producer's envelope,
-    which renders to the body): decoding the bytes again would only cost time.
+    ``result.sequence_number``. Legacy credentials are left out on purpose: a rotated
+    credential is transport, not content. JSON is canonicalized (sorted keys), so a
+    plain-SQL body with another key order still matches. ``content`` is the body as a
+    mapping when the caller has it (the producer's envelope, which renders to the body):
+    decoding the bytes again would only cost time. Without it, ``row["body"]`` must be the
+    plaintext.
     """
     body = decode_body(bytes(row["body"])) if content is None else content
     if body is None:
@@ -94,45 +97,86 @@ def binding_digest(row: Mapping[str, Any], content: Mapping[str, Any] | None = N
         "horizon_seconds": row.get("horizon_seconds"), "notification_type": row.get("notification_type"),
         "sequence_key": row.get("sequence_key"),
     }
-    canonical = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                           default=json_default)
-    return hashlib.sha256(canonical.encode("utf-8")).digest()
+    return json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      default=json_default).encode("utf-8")
 
 
-_HAS_DIGEST: WeakKeyDictionary[Engine, bool] = WeakKeyDictionary()
+def digest_under(material: bytes, kid: str | None, keys: SealingKeys | None) -> bytes:
+    """The binding digest of ``material`` as a row sealed under ``kid`` stores it.
+
+    SHA-256 for a plaintext row; for a sealed one an HMAC under its key (docs/encryption.md),
+    so the database holds no plain hash of a sealed body from which a guessed token could
+    be confirmed. Raises ``SealError`` when ``kid`` is not a configured key.
+    """
+    if kid is None:
+        return hashlib.sha256(material).digest()
+    if keys is None:
+        raise SealError(f"sealed under key {kid} but OUTBOX_ENCRYPTION_KEY is not set")
+    return keys.digest(material, kid)
 
 
-def _has_digest_column(connection: Connection) -> bool:
-    """Whether the schema is at 0002 or later (asked once per engine).
+def binding_digest(row: Mapping[str, Any], keys: SealingKeys | None = None) -> bytes | None:
+    """The digest a stored row (plaintext ``body``, its ``body_key_id``) is bound by."""
+    material = binding_material(row)
+    return None if material is None else digest_under(material, row.get("body_key_id"), keys)
+
+
+_OPTIONAL = ("binding_digest", "body_key_id")  # columns added by 0002 and 0008
+_PRESENT: WeakKeyDictionary[Engine, frozenset[str]] = WeakKeyDictionary()
+
+
+def _present_columns(connection: Connection) -> frozenset[str]:
+    """Which of the later migrations' columns the schema has (asked once per engine).
 
     The upgrade order is library first, then ``outboxd migrate``: until the migration runs,
-    this release stores rows without a digest, and they are judged by their content like
-    any plain-SQL row. (A process started before the migration keeps doing so until restarted.)
+    this release stores rows without a digest (judged by their content like any plain-SQL
+    row) and bodies in plaintext. (A process started before the migration keeps doing so
+    until restarted.)
     """
-    known = _HAS_DIGEST.get(connection.engine)
+    known = _PRESENT.get(connection.engine)
     if known is None:
-        columns = inspect(connection).get_columns(messages.name)
-        known = _HAS_DIGEST[connection.engine] = any(c["name"] == "binding_digest" for c in columns)
+        names = {c["name"] for c in inspect(connection).get_columns(messages.name)}
+        known = _PRESENT[connection.engine] = frozenset(n for n in _OPTIONAL if n in names)
     return known
 
 
-_LOOKUP_COLUMNS = (messages.c.id, messages.c.sequence_number, messages.c.body, messages.c.url, messages.c.auth_mode,
-                   messages.c.horizon_seconds, messages.c.notification_type, messages.c.sequence_key)
-_LOOKUPS = {True: select(*_LOOKUP_COLUMNS, messages.c.binding_digest), False: select(*_LOOKUP_COLUMNS)}
+_LOOKUP_COLUMNS = (messages.c.id, messages.c.tenant_id, messages.c.idempotency_key, messages.c.sequence_number,
+                   messages.c.body, messages.c.url, messages.c.auth_mode, messages.c.horizon_seconds,
+                   messages.c.notification_type, messages.c.sequence_key)
 
 
-def bound_record(connection: Connection, tenant_id: str, key: str, digest: bytes) -> EnqueuedMessage | None:
+def _is_bound_to(row: Any, material: bytes | None, keys: SealingKeys | None, key: str) -> bool:
+    """Whether the stored ``row`` carries the notification ``material`` describes.
+
+    Compared by digest under the stored row's own key: nothing is decrypted. Only a row
+    without a digest (plain SQL, an older writer: stored in plaintext) is judged from its body.
+    """
+    mapping = row._mapping
+    kid = mapping.get("body_key_id")
+    if material is None:
+        return False
+    try:
+        if mapping.get("binding_digest") is not None:
+            return hmac.compare_digest(bytes(mapping["binding_digest"]), digest_under(material, kid, keys))
+        body = plaintext(SimpleNamespace(**{**mapping, "body_key_id": kid}), keys)
+    except SealError as exc:
+        raise OutboxValidationError("idempotency_key", f"{key!r} is bound to a message that cannot be "
+                                                       f"compared here: {exc}") from None
+    return binding_material({**mapping, "body": body}) == material
+
+
+def bound_record(connection: Connection, tenant_id: str, key: str, material: bytes | None,
+                 keys: SealingKeys | None = None) -> EnqueuedMessage | None:
     """The tenant's stored message for ``key`` if it is this notification; ``None`` if absent.
 
     Raises :class:`IdempotencyConflictError` when the key is bound to another notification.
     """
-    lookup = _LOOKUPS[_has_digest_column(connection)]
+    present = _present_columns(connection)
+    lookup = select(*_LOOKUP_COLUMNS, *(messages.c[name] for name in _OPTIONAL if name in present))
     row = connection.execute(lookup.where(messages.c.tenant_id == tenant_id, messages.c.idempotency_key == key)).first()
     if row is None:
         return None
-    stored = row._mapping.get("binding_digest")
-    stored = binding_digest(row._mapping) if stored is None else bytes(stored)  # NULL: plain SQL or older writer
-    if stored is None or not hmac.compare_digest(stored, digest):
+    if not _is_bound_to(row, material, keys, key):
         raise IdempotencyConflictError(key)
     return EnqueuedMessage(row.id, key, row.sequence_number)
 
@@ -147,29 +191,44 @@ _INSERTS = {
 }
 
 
-def insert_new(connection: Connection, row: Mapping[str, Any]) -> int | None:
-    """Insert ``row``; its id, or ``None`` when the key is already taken."""
-    values = dict(row)
-    if not _has_digest_column(connection):
-        del values["binding_digest"]
-    return connection.execute(_INSERTS[connection.dialect.name], values).scalar()
+def stored_values(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None) -> dict[str, Any]:
+    """The columns to insert for a rendered row: body and credential sealed, digest taken.
+
+    ``row`` carries the plaintext ``body``, the legacy ``credentials`` (or ``None``) and the
+    binding ``material``; here they become what the schema stores. The body is sealed only
+    when a key is set and the schema has ``body_key_id`` (a credential is always sealed:
+    enqueue refuses one without a key).
+    """
+    values = {k: v for k, v in row.items() if k not in ("credentials", "material")}
+    present = _present_columns(connection)
+    values.update(sealed_row(keys, tenant_id=row["tenant_id"], idempotency_key=row["idempotency_key"],
+                             body=row["body"], credentials=row["credentials"],
+                             seal_body="body_key_id" in present))
+    if "binding_digest" in present and row["material"] is not None:
+        values["binding_digest"] = digest_under(row["material"], values.get("body_key_id"), keys)
+    return values
 
 
-def store_bound(connection: Connection, row: Mapping[str, Any]) -> EnqueuedMessage:
-    """Insert a rendered message row (with its ``binding_digest``) or return its twin.
+def insert_new(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None = None) -> int | None:
+    """Insert ``row`` (see :func:`stored_values`); its id, or ``None`` when the key is already taken."""
+    return connection.execute(_INSERTS[connection.dialect.name], stored_values(connection, row, keys)).scalar()
+
+
+def store_bound(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None = None) -> EnqueuedMessage:
+    """Insert a rendered message row or return its twin (``keys``: the settings' sealing keys).
 
     Insert first and look up only on conflict: the common call (a fresh key) costs one
     statement.
     """
-    new_id = insert_new(connection, row)
+    new_id = insert_new(connection, row, keys)
     if new_id is not None:
         return EnqueuedMessage(new_id, row["idempotency_key"], row.get("sequence_number"))
-    return existing_twin(connection, row)
+    return existing_twin(connection, row, keys)
 
 
-def existing_twin(connection: Connection, row: Mapping[str, Any]) -> EnqueuedMessage:
+def existing_twin(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None = None) -> EnqueuedMessage:
     """After a refused insert: the stored record if it is this notification, else a conflict."""
-    found = bound_record(connection, row["tenant_id"], row["idempotency_key"], row["binding_digest"])
+    found = bound_record(connection, row["tenant_id"], row["idempotency_key"], row["material"], keys)
     if found is None:  # taken, but not by this tenant: only the pre-0002 unique index does that
         raise OutboxValidationError(
             "idempotency_key", "is taken in a database not migrated to 0002_tenant_identity: run `outboxd migrate`")

@@ -80,7 +80,10 @@ def record_min_reader(revision: str, min_reader_revision: str) -> None:
     ``revision``. A migration that breaks older readers records its own revision.
     """
     from alembic import op
+    from sqlalchemy import delete
 
+    # A downgrade that left its row behind must not make the next upgrade fail.
+    op.execute(delete(schema_compat).where(schema_compat.c.revision == revision))
     op.bulk_insert(schema_compat, [{"revision": revision, "min_reader_revision": min_reader_revision}])
 
 

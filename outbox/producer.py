@@ -9,7 +9,6 @@ commits: the message exists if and only if the seller's transaction commits.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import uuid
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ from outbox.errors import OutboxValidationError
 from outbox.wire import json_default, wire_form
 from outbox.identity import (
     EnqueuedMessage,
-    binding_digest,
+    binding_material,
     bound_record,
     decode_body,
     existing_twin,
@@ -36,7 +35,6 @@ from outbox.identity import (
     store_bound,
     stream_key as scoped_stream_key,
 )
-from outbox.sealing import seal
 from outbox.urls import origin, validate_destination
 
 Conn = Connection | Session
@@ -164,25 +162,21 @@ def _row(
     tenant_id: str, registration: _Registration, key: str, body: bytes, content: Mapping[str, Any],
     settings: Settings, columns: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The message row to insert, with its binding digest (outbox/identity.py) over ``content``,
+    """The rendered message row, for :func:`outbox.identity.store_bound`: the plaintext body
+    and credential (sealed when stored) and the binding material taken from ``content``,
     the mapping ``body`` was rendered from."""
-    secret = None
-    if registration.credentials is not None:
-        assert settings.encryption_key is not None
-        secret = seal(settings.encryption_key, registration.credentials.encode(), key.encode())
     row = {
         "tenant_id": tenant_id,
         "url": registration.url,
         "origin": origin(registration.url),
         "idempotency_key": key,
         "body": body,
-        "body_sha256": hashlib.sha256(body).digest(),
+        "credentials": registration.credentials,
         "auth_mode": registration.auth_mode,
-        "auth_secret": secret,
         "operation_id": registration.operation_id,
         **columns,
     }
-    row["binding_digest"] = binding_digest(row, content)
+    row["material"] = binding_material(row, content)
     return row
 
 
@@ -252,7 +246,7 @@ def enqueue_task_webhook(
     envelope.update({k: v for k, v in optional.items() if v is not None})
     row = _row(tenant, registration, key, _render(envelope), envelope, settings,
                {"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon})
-    return store_bound(_connection(conn), row)
+    return store_bound(_connection(conn), row, settings.sealing())
 
 
 def enqueue_delivery_report(
@@ -308,21 +302,21 @@ def enqueue_delivery_report(
     columns = {"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE, "task_status": "completed",
                "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon}
     row = _row(tenant, registration, key, _render(envelope), envelope, settings, columns)
+    keys = settings.sealing()
     connection = _connection(conn)
     if idempotency_key is not None:  # a retry must neither conflict late nor consume a number
-        replayed = bound_record(connection, tenant, key, row["binding_digest"])
+        replayed = bound_record(connection, tenant, key, row["material"], keys)
         if replayed is not None:
             return replayed
     number = next_sequence(connection, stream, legacy_stream)
     report["sequence_number"] = number
-    row["body"] = _render(envelope)
-    row["body_sha256"] = hashlib.sha256(row["body"]).digest()
+    row["body"] = _render(envelope)  # the binding material leaves the number out
     row["sequence_number"] = number
-    new_id = insert_new(connection, row)
+    new_id = insert_new(connection, row, keys)
     if new_id is not None:
         return EnqueuedMessage(new_id, key, number)
     give_back(connection, stream, number)  # a concurrent twin committed first: no gap
-    return existing_twin(connection, row)
+    return existing_twin(connection, row, keys)
 
 
 def enqueue(
@@ -368,4 +362,4 @@ def enqueue(
     row = _row(tenant, registration, key, body, decoded, settings,
                {"notification_type": _optional_string(notification_type, "notification_type"),
                 "horizon_seconds": _horizon(horizon_seconds)})
-    return store_bound(_connection(conn), row)
+    return store_bound(_connection(conn), row, settings.sealing())

@@ -77,13 +77,16 @@ messages = Table(
     # recomputes it for every claimed row and writes back any difference (outbox.store.claim).
     Column("origin", Text),
     Column("idempotency_key", Text, nullable=False),
+    # The exact bytes to POST, or those bytes sealed (AES-256-GCM, outbox/sealing.py) under
+    # the key named by body_key_id; NULL body_key_id means stored in plaintext.
     Column("body", LargeBinary, nullable=False),
-    Column("body_sha256", LargeBinary),
+    Column("body_sha256", LargeBinary),  # SHA-256 of the stored bytes (sealed or not)
+    Column("body_key_id", Text),
     # What the idempotency key is bound to (outbox/identity.py: binding_digest). NULL from
     # plain-SQL producers and older releases: then it is computed from the stored row.
     Column("binding_digest", LargeBinary),
     Column("auth_mode", Text, nullable=False, server_default="rfc9421"),
-    Column("auth_secret", LargeBinary),  # AES-256-GCM: nonce || ciphertext+tag
+    Column("auth_secret", LargeBinary),  # sealed legacy credential (outbox/sealing.py)
     Column("task_id", Text),
     Column("task_type", Text),
     Column("task_status", Text),
@@ -141,6 +144,8 @@ messages = Table(
           postgresql_where=text("state = 'pending'"), sqlite_where=text("state = 'pending'")),
     Index("outbox_messages_pending_created_idx", "created_at", postgresql_where=text("state = 'pending'"),
           sqlite_where=text("state = 'pending'")),
+    # The re-sealer finds rows not under the active key by range scans, not a table scan.
+    Index("outbox_messages_body_key_idx", "body_key_id", "id"),
 )
 
 attempts = Table(

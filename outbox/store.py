@@ -23,6 +23,7 @@ from sqlalchemy import Text, bindparam, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breaker_transitions, breakers
+from outbox.sealing import OVERHEAD
 from outbox.urls import endpoint_origin
 
 CHANNEL = "outbox_wakeup"
@@ -134,7 +135,7 @@ def _claim_sql(pg: bool, now: str) -> str:
             first_attempt_at = COALESCE(first_attempt_at, {now}),
             retry_until = {DEADLINE}
         FROM picked WHERE outbox_messages.id = picked.picked_id
-        RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, auth_mode, auth_secret,
+        RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id, auth_mode, auth_secret,
                   sequence_number, notification_type, attempts, retry_until, created_at, trigger,
                   {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
                   {breaker.format(col="open_until")} AS breaker_open_until
@@ -149,6 +150,8 @@ class _Statements:
         lock = "FOR UPDATE OF m SKIP LOCKED" if pg else ""
         lock_plain = "FOR UPDATE SKIP LOCKED" if pg else ""
         self.now = text(f"SELECT {now}")
+        # The size of what is sent, not of what is stored (a sealed body carries a fixed overhead).
+        plain_size = f"length(body) - CASE WHEN body_key_id IS NULL THEN 0 ELSE {OVERHEAD} END"
         self.claim = text(_claim_sql(pg, now))
         # RETURNING must name bare columns (SQLite), so the row source avoids the table's names.
         completion = _json_rows(pg, [
@@ -186,7 +189,7 @@ class _Statements:
             WHERE id IN (SELECT id FROM outbox_messages WHERE state = 'in_flight' AND lease_expires_at < {now}
                          ORDER BY lease_expires_at LIMIT :limit {lock_plain})
             RETURNING id, tenant_id, url, attempts, idempotency_key, sequence_number, notification_type,
-                      trigger, leased_by, length(body) AS payload_size
+                      trigger, leased_by, {plain_size} AS payload_size
         """)
         # Past created_at + horizon (a forced replay's own retry_until aside) ends dead,
         # attempted or not. Every deadline is at least MIN_HORIZON after enqueue, so the
@@ -260,6 +263,7 @@ class Claimed:
     stored_origin: str | None = None  # the origin column as read; the completion fixes it if it differs
     breaker_state: str | None = None  # this endpoint's breaker at claim time (None: no row)
     breaker_open_until: float | None = None
+    body_key_id: str | None = None  # the key the stored body is sealed under (None: plaintext)
 
 
 @dataclass(frozen=True)
@@ -311,7 +315,7 @@ async def claim(
             id=r.id, tenant_id=r.tenant_id, url=r.url, origin=endpoint_origin(r.url), stored_origin=r.origin,
             idempotency_key=r.idempotency_key,
             body=bytes(r.body), body_sha256=None if r.body_sha256 is None else bytes(r.body_sha256),
-            auth_mode=r.auth_mode, auth_secret=None if r.auth_secret is None else bytes(r.auth_secret),
+            body_key_id=r.body_key_id, auth_mode=r.auth_mode, auth_secret=None if r.auth_secret is None else bytes(r.auth_secret),
             sequence_number=r.sequence_number, notification_type=r.notification_type, attempt=r.attempts,
             retry_until=float(r.retry_until), created_at=float(r.created_at), trigger=r.trigger,
             claimed_at=float(r.claimed_at), lease_token=token, breaker_state=r.breaker_state,

@@ -5,12 +5,16 @@ database, in a scratch schema-free database it creates and drops). Each sample i
 committed transaction: a seller ``UPDATE`` alone, then the same with one enqueue; the
 report is p50/p99 of each and of the difference. Not a timed test: run it by hand::
 
-    python scripts/bench_enqueue.py [--samples 2000]
+    python scripts/bench_enqueue.py [--samples 2000] [--seal]
+
+``--seal`` turns body encryption on (a throwaway OUTBOX_ENCRYPTION_KEY), to measure what
+sealing adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import statistics
 import time
@@ -34,6 +38,7 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--seal", action="store_true", help="seal bodies with a throwaway encryption key")
     args = parser.parse_args()
     server = os.environ.get("OUTBOX_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     name = f"outboxd_enqueue_bench_{uuid.uuid4().hex[:8]}"
@@ -47,7 +52,8 @@ def main() -> None:
         with engine.begin() as conn:
             conn.execute(text("CREATE TABLE media_buys (id int PRIMARY KEY, status text)"))
             conn.execute(text("INSERT INTO media_buys VALUES (1, 'pending')"))
-        settings = outbox.load_settings(env={})
+        env = {"OUTBOX_ENCRYPTION_KEY": base64.b64encode(os.urandom(32)).decode()} if args.seal else {}
+        settings = outbox.load_settings(env=env)
         plain, with_enqueue = [], []
         for i in range(args.samples * 2):
             start = time.perf_counter()

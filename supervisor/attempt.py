@@ -6,6 +6,7 @@ the attempt and the message's new state are written together in one transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
 from outbox.producer import decode_body
-from outbox.sealing import SealError, unseal
+from outbox.sealing import CREDENTIAL, SealError, plaintext
 from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor.classify import Verdict, classify_response, classify_transport_error
@@ -51,15 +52,27 @@ class PreparationError(Exception):
     """The attempt cannot be made now for a reason of the daemon's, not the message's."""
 
 
-def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None, str]:
-    """Why a claimed row cannot be sent as stored (``None`` if it can) and its canonical URL.
+def opened(message: Claimed, settings: Settings) -> Claimed:
+    """``message`` with the exact bytes to send: its sealed body opened, in memory only.
 
-    Rows may come from a plain-SQL producer in any language (issue: "any language can
-    enqueue"), so the daemon trusts nothing: the body must be a JSON object carrying the
-    row's key, the hash must match, and the URL must pass the same rules as enqueue.
+    The stored hash covers the stored bytes, so it is checked first; a body that does not
+    open (a key no longer configured, tampering, a blob moved from another row) raises
+    :class:`SealError`, which ends the message ``dead invalid``: no retry can open it.
     """
     if message.body_sha256 is not None and hashlib.sha256(message.body).digest() != message.body_sha256:
-        return "body does not match its stored SHA-256", message.url
+        raise SealError("body does not match its stored SHA-256")
+    if message.body_key_id is None:
+        return message
+    return dataclasses.replace(message, body=plaintext(message, settings.sealing()), body_key_id=None)
+
+
+def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None, str]:
+    """Why an opened row cannot be sent as stored (``None`` if it can) and its canonical URL.
+
+    Rows may come from a plain-SQL producer in any language, so the daemon trusts
+    nothing: the body must be a JSON object carrying the row's key, and the URL must pass
+    the same rules as enqueue.
+    """
     if len(message.body) > protocol.MAX_BODY_BYTES:
         return "body is over the 1 MiB limit", message.url
     body = decode_body(message.body)
@@ -93,10 +106,12 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource
         except ConfigurationError as exc:
             raise PreparationError(str(exc)) from None
         return signature_headers(key, url=url, body=message.body, clock=clock)
-    if settings.encryption_key is None:
+    sealing = settings.sealing()
+    if sealing is None:
         raise PreparationError("legacy credentials stored but OUTBOX_ENCRYPTION_KEY is not set")
     assert message.auth_secret is not None
-    secret = unseal(settings.encryption_key, message.auth_secret, message.idempotency_key.encode())
+    secret = sealing.open(CREDENTIAL, message.auth_secret, tenant_id=message.tenant_id,
+                       idempotency_key=message.idempotency_key)
     if not protocol.LEGACY_CREDENTIAL_RE.fullmatch(secret.decode("latin-1")):
         # Enqueue refuses these; a plain-SQL or older row may still hold one, and it can never
         # become a header: dead now rather than a crash or a retry loop to the horizon.
@@ -114,6 +129,10 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
     """
     if message.claimed_at >= message.retry_until:  # never send past enqueue + horizon
         return Outcome(message, "expire", "expired", reason="expired", error="retry horizon passed")
+    try:
+        message = opened(message, settings)
+    except SealError as exc:
+        return Outcome.dead(message, "invalid", str(exc))
     problem, url = integrity_problem(message, settings)
     if problem is not None:
         return Outcome.dead(message, "invalid", problem)

@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "supervisor.cli_daemon",
     "supervisor.cli_messages",
     "supervisor.cli_keys",
+    "supervisor.cli_encryption",
 )
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from outbox.bodies import encryption_summary
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cli_common import (
@@ -25,6 +26,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor import ops
 
     data = run_async(settings, lambda conn: ops.status(conn, top=args.top))
+    data["encryption"] = encryption_summary(settings)
     if args.json:
         print_json(data)
         return 0
@@ -34,6 +36,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     print("dead       " + (", ".join(f"{k} {v}" for k, v in data["dead_by_reason"].items()) or "none"))
     print("breakers   " + (", ".join(f"{b['tenant_id']}@{b['origin']} {b['state']}" for b in data["open_breakers"])
                            or "all closed"))
+    print(f"encryption {data['encryption']}")
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
     return 0
@@ -62,7 +65,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor import ops
 
-    data = run_async(settings, lambda conn: ops.show(conn, args.ref))
+    data = run_async(settings, lambda conn: ops.show(conn, args.ref, settings.sealing()))
     if data is None:
         raise UserError(f"no message with id or idempotency key {args.ref!r}")
     if args.json:

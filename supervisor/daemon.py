@@ -38,6 +38,8 @@ from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
+from supervisor.resealer import Resealer
+from outbox.bodies import encryption_summary
 from supervisor.transport import HttpSender
 from supervisor.wakeup import listen
 
@@ -165,6 +167,11 @@ class Daemon:
                                 name="maintenance"),
             asyncio.create_task(self.clock.watch(self.engine, self.outage), name="clock"),
         ]
+        keys = self.settings.sealing()
+        if keys is not None:
+            background.append(asyncio.create_task(
+                Resealer(self.engine, keys, outage=self.outage, on_resealed=self.metrics.bodies_resealed.inc).run(),
+                name="resealer"))
         if is_postgresql(self.settings.database_url):
             background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
                                                   name="wakeup"))
@@ -173,7 +180,8 @@ class Daemon:
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         self.log.info("daemon.started", concurrency=self.settings.concurrency,
-                      metrics=self.metrics_address, horizon_seconds=self.settings.retry_horizon_seconds)
+                      metrics=self.metrics_address, horizon_seconds=self.settings.retry_horizon_seconds,
+                      body_encryption=encryption_summary(self.settings))
         failure: BaseException | None = None
         try:
             done, _ = await asyncio.wait([claimer, stopper, *background], return_when=asyncio.FIRST_COMPLETED)

@@ -64,6 +64,8 @@ class Metrics:
         self.database_outages = Counter("outbox_database_outages", "Runs of failed database calls this process "
                                         "rode out (or died of, past OUTBOX_DATABASE_OUTAGE_SECONDS).",
                                         registry=r)
+        self.bodies_resealed = Counter("outbox_bodies_resealed", "Stored bodies moved onto the active encryption key.",
+                                       registry=r)
         self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
         self.breaker_transitions = Counter("outbox_breaker_transitions", "Circuit breaker state changes.",
                                            ["from_state", "to_state"], registry=r)

@@ -18,8 +18,10 @@ from outbox import store
 from outbox.producer import decode_body
 from outbox.schema import attempts, breakers, messages
 from outbox.urls import public_url, redact_urls
+from outbox.sealing import SealError, SealingKeys, plaintext
 
-MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "auth_secret", "lease_token")]
+MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "body_key_id", "auth_secret",
+                                                         "lease_token")]
 # Keys whose values are credentials wherever they appear in a payload: the buyer's
 # push-notification token, an authentication object, credentials (docs/protocol.md).
 SECRET_KEYS = frozenset({"token", "authentication", "credentials", "authorization", "secret", "password",
@@ -142,14 +144,19 @@ async def find(conn: AsyncConnection, ref: str) -> Any | None:
     return rows[0] if rows else None
 
 
-async def show(conn: AsyncConnection, ref: str) -> dict[str, Any] | None:
+async def show(conn: AsyncConnection, ref: str, keys: SealingKeys | None = None) -> dict[str, Any] | None:
+    """One message for an operator: its payload opened (when sealed) and masked, and every attempt."""
     row = await find(conn, ref)
     if row is None:
         return None
     data = _message(row)
-    body = decode_body(bytes(row.body))
-    data["payload_size"] = len(row.body)
-    data["payload"] = redact(body) if body is not None else None
+    try:
+        body = plaintext(row, keys)
+    except SealError as exc:
+        data["payload_size"], data["payload"] = None, f"<sealed: {exc}>"
+    else:
+        data["payload_size"] = len(body)
+        data["payload"] = redact(decode_body(body)) if decode_body(body) is not None else None
     history = await conn.execute(select(attempts).where(attempts.c.message_id == row.id)
                                  .order_by(attempts.c.attempt_number, attempts.c.id))
     data["attempt_trail"] = [_attempt(a) for a in history]

@@ -16,6 +16,7 @@ from outbox import aio
 from outbox.db import make_async_engine
 from outbox.identity import stream_key
 from outbox.schema import messages, sequences
+from tests import stored
 from tests.adcp_schema import assert_valid
 
 PNC = {"url": "https://buyer.example.com/hooks/adcp?channel=1", "operation_id": "op_123",
@@ -40,9 +41,9 @@ def _task(conn, settings, **overrides):
 def test_task_webhook_renders_the_adcp_envelope_once(engine, settings):
     with Session(engine) as session, session.begin():
         record = _task(session, settings)
-    with engine.connect() as conn:
-        row = conn.execute(select(messages).where(messages.c.id == record.id)).one()
-    body = json.loads(row.body)
+    row = stored.row(engine, record.id)
+    raw = stored.body(engine, record.id, settings)
+    body = json.loads(raw)
     assert body["idempotency_key"] == record.idempotency_key == row.idempotency_key
     assert record.idempotency_key.startswith("whk_") and len(record.idempotency_key) == 40
     assert body["notification_id"] == "task_1.terminal"
@@ -50,14 +51,13 @@ def test_task_webhook_renders_the_adcp_envelope_once(engine, settings):
     assert body["context"] == {"trace": "abc"} and body["result"] == {"media_buy_id": "mb_1"}
     assert row.body_sha256 == hashlib.sha256(row.body).digest()
     assert row.state == "pending" and row.auth_mode == "rfc9421" and row.origin == "https://buyer.example.com"
-    assert_valid(bytes(row.body))
+    assert_valid(raw)
 
 
 def test_non_terminal_status_has_no_notification_id(engine, settings):
     with Session(engine) as session, session.begin():
         record = _task(session, settings, status="working", result=None)
-    with engine.connect() as conn:
-        body = json.loads(conn.execute(select(messages.c.body).where(messages.c.id == record.id)).scalar_one())
+    body = json.loads(stored.body(engine, record.id, settings))
     assert "notification_id" not in body and "result" not in body
     assert_valid(json.dumps(body).encode())
 
@@ -84,8 +84,7 @@ def test_delivery_report_numbers_and_body(engine, settings):
             numbers.append(outbox.enqueue_delivery_report(conn, tenant_id="t1", reporting_webhook=REPORTING,
                                                           media_buy_id="mb_9", result=DELIVERY, settings=settings))
     assert [r.sequence_number for r in numbers] == [1, 2, 3]
-    with engine.connect() as conn:
-        body = json.loads(conn.execute(select(messages.c.body).where(messages.c.id == numbers[-1].id)).scalar_one())
+    body = json.loads(stored.body(engine, numbers[-1].id, settings))
     assert body["result"]["sequence_number"] == 3 and body["task_type"] == "media_buy_delivery"
     assert "notification_id" not in body
     assert_valid(json.dumps(body).encode())
@@ -217,17 +216,17 @@ def test_legacy_credentials_are_encrypted_and_need_a_key(engine, settings):
         row = conn.execute(select(messages).where(messages.c.id == record.id)).one()
     assert row.auth_mode == "hmac"
     assert secret.encode() not in bytes(row.auth_secret) and secret.encode() not in bytes(row.body)
-    from outbox.sealing import unseal
+    from outbox.sealing import CREDENTIAL
 
-    assert unseal(settings.encryption_key, bytes(row.auth_secret), record.idempotency_key.encode()) == secret.encode()
+    assert settings.sealing().open(CREDENTIAL, bytes(row.auth_secret), tenant_id="t1",
+                                   idempotency_key=record.idempotency_key) == secret.encode()
 
 
 def test_enqueue_raw_bytes_kept_exactly(engine, settings):
     raw = b'{"idempotency_key": "whk_raw_bytes_000000001",  "event": "capabilities.changed"}'
     with engine.begin() as conn:
         record = outbox.enqueue(conn, tenant_id="t1", url=PNC["url"], payload=raw, settings=settings)
-    with engine.connect() as conn:
-        assert bytes(conn.execute(select(messages.c.body).where(messages.c.id == record.id)).scalar_one()) == raw
+    assert stored.body(engine, record.id, settings) == raw
     for bad in (b"[1,2]", b'{"idempotency_key":"whk_raw_bytes_000000002","a":1,"a":2}', b"\xff"):
         with pytest.raises(outbox.OutboxValidationError), engine.begin() as conn:
             outbox.enqueue(conn, tenant_id="t1", url=PNC["url"], payload=bad, settings=settings)

@@ -38,6 +38,7 @@ import outbox
 from outbox import protocol
 from outbox.producer import decode_body
 from outbox.schema import messages, sequences
+from tests import stored
 from tests.adcp_schema import validator as adcp_validator
 
 FUZZ = hsettings(max_examples=250, deadline=None, derandomize=True,
@@ -270,15 +271,14 @@ def check_enqueue(engine: Any, api: Any, kwargs: dict[str, Any], settings: Any) 
         return None
     assert record is not None
     _note(f"accepted: {record}", "accepted")
-    with engine.connect() as conn:
-        row = conn.execute(select(messages).where(messages.c.id == record.id)).one()
-    body = bytes(row.body)
+    row = stored.row(engine, record.id)
+    body = stored.body(engine, record.id, settings)
     decoded = decode_body(body)
     assert decoded is not None, f"stored body is not a strict JSON object: {body[:200]!r}"
     assert json.loads(body) == decoded
     assert decoded["idempotency_key"] == record.idempotency_key == row.idempotency_key
     assert protocol.IDEMPOTENCY_KEY_RE.fullmatch(record.idempotency_key)
-    assert row.body_sha256 == hashlib.sha256(body).digest()
+    assert row.body_sha256 == hashlib.sha256(row.body).digest()
     assert len(body) <= protocol.MAX_BODY_BYTES
     if after[0] == before[0]:  # only a caller-supplied key already stored returns the existing message
         assert record.idempotency_key == _caller_key(kwargs)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from sqlalchemy import func, inspect, select, text
 
 import outbox
+from outbox.sealing import plaintext
 from outbox.db import make_async_engine, make_engine
 from outbox.identity import stream_key
 from outbox.migrate import alembic_config, current_revision, upgrade
@@ -63,7 +64,7 @@ def test_two_tenants_with_one_key_string_each_get_their_own_message(engine, sett
     assert len({first.id, second.id, again.id, report.id}) == 4
     rows = _rows(engine)
     assert [(r.tenant_id, r.idempotency_key) for r in rows] == [("t1", KEY), ("t2", KEY), ("t3", KEY), ("t4", KEY)]
-    assert json.loads(rows[1].body)["result"] == {"for": "t2"}  # never handed the first tenant's message
+    assert json.loads(plaintext(rows[1], settings.sealing()))["result"] == {"for": "t2"}  # not the first tenant's
 
 
 def test_identical_arguments_retry_returns_the_existing_record(engine, settings):

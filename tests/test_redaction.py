@@ -19,7 +19,7 @@ from outbox import store
 from outbox.db import make_async_engine
 from outbox.errors import OutboxValidationError
 from outbox.schema import attempts, messages
-from outbox.sealing import seal
+from outbox.sealing import CREDENTIAL
 from outbox.urls import endpoint_origin, public_url, redact_urls
 from sinks.fanout import SinkFanout
 from supervisor.attempt import attempt
@@ -140,7 +140,8 @@ async def test_a_stored_credential_that_cannot_be_a_header_ends_dead_invalid_at_
                                                  task_id="task_1", task_type="create_media_buy", status="working",
                                                  settings=settings)
             # What an older release or a plain-SQL producer could have stored.
-            sealed = seal(settings.encryption_key, credential.encode(), record.idempotency_key.encode())
+            sealed = settings.sealing().seal(CREDENTIAL, credential.encode(), tenant_id="t1",
+                                             idempotency_key=record.idempotency_key)
             conn.execute(messages.update().where(messages.c.id == record.id).values(auth_secret=sealed))
     await _run_daemon_once(engine, settings, tmp_path)
     with engine.connect() as conn:

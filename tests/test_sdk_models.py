@@ -25,6 +25,7 @@ from sqlalchemy import select
 
 import outbox
 from outbox.schema import messages
+from outbox.sealing import plaintext
 from tests.adcp_schema import assert_valid
 
 PNC = PushNotificationConfig(url="https://buyer.example.com/hooks", operation_id="op_1",
@@ -40,8 +41,10 @@ _success = st.builds(
 )
 
 
-def _stored(conn, record) -> dict:
-    return json.loads(conn.execute(select(messages.c.body).where(messages.c.id == record.id)).scalar_one())
+def _stored(conn, record, settings) -> dict:
+    """The body as sent, read in the caller's transaction (opened when sealed)."""
+    row = conn.execute(select(messages).where(messages.c.id == record.id)).one()
+    return json.loads(plaintext(row, settings.sealing()))
 
 
 @hsettings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -51,7 +54,7 @@ def test_task_webhook_result_round_trips_through_the_sdk_model(engine, settings,
         record = outbox.enqueue_task_webhook(
             conn, tenant_id="t1", push_notification_config=PNC, task_id="task_1", task_type="create_media_buy",
             status="completed", result=result, settings=settings)
-        body = _stored(conn, record)
+        body = _stored(conn, record, settings)
         txn.rollback()
     assert CreateMediaBuySuccessResponse.model_validate(body["result"]) == result
     assert body["operation_id"] == "op_1" and body["token"] == PNC.token
@@ -69,7 +72,7 @@ def test_models_nested_in_plain_mappings_and_error_results(engine, settings):
         error = outbox.enqueue_task_webhook(
             conn, tenant_id="t1", push_notification_config=PNC, task_id="task_2", task_type="create_media_buy",
             status="failed", result=failed, settings=settings)
-        bodies = _stored(conn, nested), _stored(conn, error)
+        bodies = _stored(conn, nested, settings), _stored(conn, error, settings)
     assert [Package.model_validate(p) for p in bodies[0]["result"]["packages"]] == [package]
     assert bodies[0]["result"]["media_buy_id"] == "mb_1"
     assert CreateMediaBuyErrorResponse.model_validate(bodies[1]["result"]) == failed
@@ -84,7 +87,7 @@ def test_enqueue_takes_an_sdk_payload_model(engine, settings):
     with engine.connect() as conn, conn.begin():
         record = outbox.enqueue(conn, tenant_id="t1", url="https://buyer.example.com/hooks", payload=payload,
                                 settings=settings)
-        body = _stored(conn, record)
+        body = _stored(conn, record, settings)
     assert record.idempotency_key == "whk_0123456789abcdef"
     assert McpWebhookPayload.model_validate(body) == payload
     assert_valid(json.dumps(body).encode())

@@ -144,7 +144,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
         async with state["engine"].connect() as conn:
-            data = await ops.show(conn, request.path_params["ref"])
+            data = await ops.show(conn, request.path_params["ref"], settings.sealing())
         if data is None:
             return render(request, "error.html", 404, message="no such message")
         payload = json.dumps(data.pop("payload"), indent=2, sort_keys=True)

@@ -9,7 +9,7 @@ because a partitioned table's key must include the partition key; the old table'
 rebuilt so once (a write lock on it for the time of one index build). SQLite is unchanged: its purge deletes rows.
 
 Revision ID: 0007_attempt_partitions
-Revises: 0002_tenant_identity
+Revises: 0008_sealed_bodies
 Create Date: 2026-12-01
 """
 
@@ -23,7 +23,7 @@ from outbox.partitions import AHEAD_DAYS, ENSURE_FUNCTION
 from outbox.schema import schema_compat
 
 revision = "0007_attempt_partitions"
-down_revision = "0002_tenant_identity"
+down_revision = "0008_sealed_bodies"
 branch_labels = None
 depends_on = None
 

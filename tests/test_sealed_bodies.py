@@ -1,0 +1,199 @@
+"""Webhook bodies sealed at rest: no plaintext token in the database, exact bytes on the wire."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import update
+from sqlalchemy.engine import make_url
+
+import outbox
+from outbox.sealing import plaintext
+from outbox.config import ConfigurationError, load_settings
+from outbox.schema import messages
+from outbox.sealing import SealError, key_id
+from supervisor.attempt import opened
+from tests import stored
+
+TOKEN = "buyer-token-PLAINTEXT-canary-0042"
+CONTEXT_SECRET = TOKEN[::-1]  # what enqueue_all_kinds puts in the (buyer-private) context
+CREDENTIAL = "legacy-bearer-PLAINTEXT-canary-0123456789"
+PNC = {"url": "https://buyer.example.com/hooks", "operation_id": "op_1", "token": TOKEN}
+
+
+def new_key() -> str:
+    return base64.b64encode(os.urandom(32)).decode()
+
+
+def sealing_settings(active: str | None, *older: str) -> outbox.Settings:
+    env = {"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"}
+    if active:
+        env["OUTBOX_ENCRYPTION_KEY"] = active
+    if older:
+        env["OUTBOX_ENCRYPTION_OLD_KEYS"] = ",".join(older)
+    return load_settings(env=env)
+
+
+def enqueue_all_kinds(engine, settings, token: str = TOKEN) -> list[int]:
+    """One message of each producer function, each carrying ``token`` (and a private context)."""
+    pnc = {**PNC, "token": token}
+    with engine.begin() as conn:
+        ids = [
+            outbox.enqueue_task_webhook(conn, tenant_id="t1", push_notification_config=pnc, task_id="task_1",
+                                        task_type="create_media_buy", status="completed",
+                                        result={"media_buy_id": "mb_1"}, context={"note": token[::-1]},
+                                        settings=settings).id,
+            outbox.enqueue_delivery_report(conn, tenant_id="t1", reporting_webhook=pnc, media_buy_id="mb_1",
+                                           result={"notification_type": "scheduled", "media_buy_deliveries": []},
+                                           settings=settings).id,
+            outbox.enqueue(conn, tenant_id="t1", url=pnc["url"], settings=settings,
+                           payload={"event": "creative.status_changed", "token": token}).id,
+        ]
+        if settings.sealing() is not None:
+            ids.append(outbox.enqueue(
+                conn, tenant_id="t1", url=pnc["url"], settings=settings, payload={"event": "x", "token": token},
+                authentication={"schemes": ["Bearer"], "credentials": CREDENTIAL}).id)
+    return ids
+
+
+def raw_table_bytes(engine) -> bytes:
+    """Every byte the database keeps on disk for the outbox tables (heap, TOAST, WAL for SQLite)."""
+    if engine.dialect.name == "sqlite":
+        path = Path(make_url(str(engine.url)).database)
+        engine.dispose()
+        return b"".join(p.read_bytes() for p in (path, Path(f"{path}-wal")) if p.exists())
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CHECKPOINT")
+        data_dir = Path(conn.execute("SHOW data_directory").fetchone()[0])
+        files = conn.execute(
+            "SELECT pg_relation_filepath(c.oid) FROM pg_class c WHERE c.relname = 'outbox_messages' "
+            "UNION ALL SELECT pg_relation_filepath(c.reltoastrelid) FROM pg_class c "
+            "WHERE c.relname = 'outbox_messages' AND c.reltoastrelid <> 0").fetchall()
+    return b"".join((data_dir / f).read_bytes() for (f,) in files if (data_dir / f).exists())
+
+
+def test_the_database_holds_no_plaintext_secret(engine):
+    plain = enqueue_all_kinds(engine, sealing_settings(None), token="plaintext-row-token-control-1")
+    control = raw_table_bytes(engine)
+    # The search can fail: the row written without a key shows its token in the raw bytes.
+    assert b"plaintext-row-token-control-1" in control
+    settings = sealing_settings(new_key())
+    ids = enqueue_all_kinds(engine, settings)
+    raw = raw_table_bytes(engine)
+    for secret in (TOKEN, CONTEXT_SECRET, CREDENTIAL):
+        assert secret.encode() not in raw, f"{secret} is stored in plaintext"
+    for message_id in ids:
+        row = stored.row(engine, message_id)
+        assert row.body_key_id == settings.sealing().active_id
+        assert row.body_sha256 == hashlib.sha256(bytes(row.body)).digest()
+        body = json.loads(stored.body(engine, message_id, settings))
+        assert body["token"] == TOKEN
+    assert all(stored.row(engine, i).body_key_id is None for i in plain)
+
+
+def test_a_sealed_body_does_not_open_on_another_row(engine):
+    settings = sealing_settings(new_key())
+    first, second = enqueue_all_kinds(engine, settings)[:2]
+    moved = stored.row(engine, first)
+    with engine.begin() as conn:
+        conn.execute(update(messages).where(messages.c.id == second)
+                     .values(body=moved.body, body_sha256=moved.body_sha256))
+    with pytest.raises(SealError, match="moved from another row"):
+        plaintext(stored.row(engine, second), settings.sealing())
+    assert json.loads(plaintext(stored.row(engine, first), settings.sealing()))["token"] == TOKEN
+
+
+def test_an_identical_retry_is_idempotent_and_a_changed_one_conflicts(engine):
+    settings = sealing_settings(new_key())
+    args = dict(tenant_id="t1", push_notification_config=PNC, task_id="task_1", task_type="create_media_buy",
+                status="completed", result={"media_buy_id": "mb_1"}, settings=settings)
+    with engine.begin() as conn:
+        raw = b'{"idempotency_key":"whk_sealed_retry_00000001","event":"x","token":"' + TOKEN.encode() + b'"}'
+        first = outbox.enqueue(conn, tenant_id="t1", url=PNC["url"], payload=raw, settings=settings)
+        assert outbox.enqueue(conn, tenant_id="t1", url=PNC["url"], payload=raw, settings=settings) == first
+        with pytest.raises(outbox.IdempotencyConflictError):
+            outbox.enqueue(conn, tenant_id="t1", url=PNC["url"], payload=raw.replace(b'"x"', b'"y"'),
+                           settings=settings)
+        assert outbox.enqueue_task_webhook(conn, idempotency_key="whk_sealed_task_00000001", **args).id > 0
+
+
+def test_the_daemon_opens_only_with_a_configured_key(engine):
+    old, new = new_key(), new_key()
+    [message_id] = enqueue_all_kinds(engine, sealing_settings(old))[:1]
+    from outbox.store import Claimed
+
+    row = stored.row(engine, message_id)
+    claimed = Claimed(id=row.id, tenant_id=row.tenant_id, url=row.url, origin=row.origin,
+                      idempotency_key=row.idempotency_key, body=bytes(row.body), body_sha256=bytes(row.body_sha256),
+                      auth_mode=row.auth_mode, auth_secret=None, sequence_number=None, notification_type=None,
+                      attempt=1, retry_until=2e9, created_at=1e9, trigger="scheduled", claimed_at=1.7e9,
+                      lease_token="x", body_key_id=row.body_key_id)
+    assert json.loads(opened(claimed, sealing_settings(new, old)).body)["token"] == TOKEN
+    with pytest.raises(SealError, match=f"sealed under key {key_id(base64.b64decode(old))}"):
+        opened(claimed, sealing_settings(new))
+    with pytest.raises(SealError, match="OUTBOX_ENCRYPTION_KEY is not set"):
+        opened(claimed, sealing_settings(None))
+
+
+def test_old_keys_setting_is_validated_with_one_line():
+    with pytest.raises(ConfigurationError, match="OUTBOX_ENCRYPTION_OLD_KEYS"):
+        sealing_settings(new_key(), "not-base64!")
+    settings = sealing_settings(new_key(), new_key(), new_key())
+    assert len(settings.sealing().ids) == 3
+
+
+def test_cli_show_and_status_never_print_a_secret(pg_engine, pg_url, monkeypatch, capsys):
+    from supervisor.cli import main
+
+    key = new_key()
+    enqueue_all_kinds(pg_engine, sealing_settings(key))
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_url)
+    monkeypatch.setenv("OUTBOX_ENCRYPTION_KEY", key)
+    outputs = []
+    for args in (["show", "1", "--json"], ["show", "4"], ["list", "--json"], ["status"],
+                 ["encryption", "status", "--json"]):
+        assert main(args) == 0
+        outputs.append(capsys.readouterr().out)
+    everything = "\n".join(outputs)
+    for secret in (TOKEN, CREDENTIAL):  # the context is the operator's to read; credentials never
+        assert secret not in everything
+    assert json.loads(outputs[0])["payload"]["token"] == "[redacted]"
+    assert json.loads(outputs[-1])["rows_by_key"] == [
+        {"key_id": key_id(base64.b64decode(key)), "rows": 4, "configured": True, "active": True}]
+    monkeypatch.delenv("OUTBOX_ENCRYPTION_KEY")
+    assert main(["status"]) == 0
+    assert "stored in plaintext" in capsys.readouterr().out
+
+
+async def test_reseal_moves_every_row_onto_the_active_key(engine):
+    from outbox.db import make_async_engine
+    from supervisor.resealer import reseal_all
+
+    old, new = new_key(), new_key()
+    plain = enqueue_all_kinds(engine, sealing_settings(None), token="plaintext-written-token-000001")
+    sealed = enqueue_all_kinds(engine, sealing_settings(old))
+    rotated = sealing_settings(new, old)
+    expected = {i: stored.body(engine, i, sealing_settings(old)) for i in sealed}
+    expected.update({i: stored.body(engine, i, sealing_settings(None)) for i in plain})
+    async_engine = make_async_engine(str(engine.url.render_as_string(hide_password=False)))
+    try:
+        count, failed = await reseal_all(async_engine, rotated.sealing(), batch=2)
+        assert (count, failed) == (len(plain) + len(sealed), [])
+        assert await reseal_all(async_engine, rotated.sealing()) == (0, [])
+    finally:
+        await async_engine.dispose()
+    for message_id, body in expected.items():
+        assert stored.row(engine, message_id).body_key_id == rotated.sealing().active_id
+        assert stored.body(engine, message_id, sealing_settings(new)) == body  # the old key is no longer needed
+    credential_row = stored.row(engine, sealed[-1])
+    from outbox.sealing import CREDENTIAL as PURPOSE
+
+    assert sealing_settings(new).sealing().open(PURPOSE, bytes(credential_row.auth_secret), tenant_id="t1",
+                                                idempotency_key=credential_row.idempotency_key) == CREDENTIAL.encode()

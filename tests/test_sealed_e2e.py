@@ -1,0 +1,132 @@
+"""Sealed bodies end to end: the real daemon, a receiver verifying with the adcp SDK."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import threading
+import time
+
+import pytest
+from sqlalchemy import select
+
+import outbox
+from outbox.config import load_settings
+from outbox.schema import messages
+from supervisor.cli import main as cli
+from tests import procs, stored
+from tests.test_e2e import finished, states
+
+pytestmark = pytest.mark.e2e
+
+
+def new_key() -> str:
+    return base64.b64encode(os.urandom(32)).decode()
+
+
+def producer_settings(active: str) -> outbox.Settings:
+    return load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
+                              "OUTBOX_ENCRYPTION_KEY": active})
+
+
+def enqueue(engine, settings, base: str, path: str, i: int) -> int:
+    with engine.begin() as conn:
+        return outbox.enqueue_task_webhook(
+            conn, tenant_id="sealed", task_id=f"task_{i}", task_type="create_media_buy", status="completed",
+            result={"media_buy_id": f"mb_{i}"}, settings=settings,
+            push_notification_config={"url": f"{base}{path}", "operation_id": f"op_{i}",
+                                      "token": f"sealed-e2e-token-{i:06d}"}).id
+
+
+def sent_bytes(engine, message_id: int, settings) -> str:
+    return hashlib.sha256(stored.body(engine, message_id, settings)).hexdigest()
+
+
+def test_retries_and_replay_send_the_exact_rendered_bytes(pg_engine, pg_url, tmp_path, monkeypatch, capsys):
+    key, jwks = procs.make_key(tmp_path)
+    secret = new_key()
+    settings = producer_settings(secret)
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        message_id = enqueue(pg_engine, settings, f"http://127.0.0.1:{port}", "/flaky/2", 1)
+        env = procs.daemon_env(pg_url, key, encryption_key=secret)
+        daemon = procs.start_daemon(env, tmp_path / "d.log")
+        try:
+            assert procs.wait_until(lambda: finished(pg_engine, 1), 60), states(pg_engine)
+            monkeypatch.setenv("OUTBOX_DATABASE_URL", pg_url)
+            assert cli(["replay", str(message_id)]) == 0
+            capsys.readouterr()
+            assert procs.wait_until(lambda: len(procs.arrivals(log)) >= 4 and finished(pg_engine, 1), 60)
+        finally:
+            assert procs.stop(daemon) == 0
+    arrivals = procs.arrivals(log)
+    assert [a["status"] for a in arrivals] == [503, 503, 200, 200]
+    assert all(a["verified"] for a in arrivals)
+    assert {a["sha256"] for a in arrivals} == {sent_bytes(pg_engine, message_id, settings)}
+    assert stored.row(pg_engine, message_id).body_key_id == settings.sealing().active_id
+
+
+def test_rotation_mid_run_reseals_everything_while_messages_keep_arriving(pg_engine, pg_url, tmp_path):
+    key, jwks = procs.make_key(tmp_path)
+    old, new = new_key(), new_key()
+    total, switch_at = 240, 120
+    ids: list[int] = []
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        base = f"http://127.0.0.1:{port}"
+        rotated = threading.Event()
+
+        def produce() -> None:  # a seller enqueueing throughout; its config rotates halfway
+            for i in range(total):
+                if i == switch_at:
+                    rotated.wait(60)
+                ids.append(enqueue(pg_engine, producer_settings(new if i >= switch_at else old), base,
+                                   "/flaky/1" if i % 5 == 0 else "/ok", i))
+                time.sleep(0.01)
+
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        first = procs.start_daemon(procs.daemon_env(pg_url, key, encryption_key=old), tmp_path / "d1.log")
+        try:
+            assert procs.wait_until(lambda: len(ids) >= switch_at and len(procs.arrivals(log)) >= 20, 90)
+        finally:
+            assert procs.stop(first) == 0  # a rolling restart onto the rotated configuration
+        second = procs.start_daemon(procs.daemon_env(pg_url, key, encryption_key=new, encryption_old_keys=old),
+                                    tmp_path / "d2.log")
+        rotated.set()
+        try:
+            producer.join(120)
+            assert procs.wait_until(lambda: finished(pg_engine, total), 90), states(pg_engine)
+            active = producer_settings(new).sealing().active_id
+            with pg_engine.connect() as conn:
+                def all_resealed() -> bool:
+                    keys = conn.execute(select(messages.c.body_key_id)).scalars().all()
+                    conn.rollback()
+                    return set(keys) == {active}
+                assert procs.wait_until(all_resealed, 60), "rows left under the old key"
+        finally:
+            assert procs.stop(second) == 0
+    assert states(pg_engine)["delivered"] == total
+    arrivals = procs.arrivals(log)
+    assert arrivals and all(a["verified"] for a in arrivals), "every request verifies with the SDK"
+    only_new = producer_settings(new)  # the old key is no longer needed to open anything
+    expected = {sent_bytes(pg_engine, i, only_new) for i in ids}
+    assert {a["sha256"] for a in arrivals} == expected
+    assert "bodies.resealed" in (tmp_path / "d2.log").read_text()
+
+
+def test_a_body_sealed_under_a_removed_key_ends_dead_invalid(sqlite_url, sqlite_engine, tmp_path):
+    key, jwks = procs.make_key(tmp_path)
+    removed = new_key()
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        message_id = enqueue(sqlite_engine, producer_settings(removed), f"http://127.0.0.1:{port}", "/ok", 1)
+        daemon = procs.start_daemon(procs.daemon_env(sqlite_url, key, encryption_key=new_key()),
+                                    tmp_path / "d.log")
+        try:
+            assert procs.wait_until(lambda: finished(sqlite_engine, 1), 30), states(sqlite_engine)
+        finally:
+            assert procs.stop(daemon) == 0
+        assert procs.arrivals(log) == []
+    row = stored.row(sqlite_engine, message_id)
+    kid = producer_settings(removed).sealing().active_id
+    assert (row.state, row.dead_reason) == ("dead", "invalid")
+    assert f"sealed under key {kid}" in row.last_error
