@@ -137,6 +137,10 @@ class Settings:
     sinks: tuple[str, ...] = ()
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False
+    # HTTPS trust (supervisor/tls.py): a private CA file or directory, else certifi | system
+    tls_ca_file: str | None = None
+    tls_ca_dir: str | None = None
+    tls_trust: str = "certifi"
     log_format: str = "auto"  # auto | json | console
     # How long a buyer may cache the seller's JWKS: the AdCP ceiling on a verifier's JWKS
     # cache TTL (30 min, https://adcontextprotocol.org/docs/building/by-layer/L1/security).
@@ -167,6 +171,8 @@ class Settings:
         for low, high in (("retry_base_seconds", "retry_max_seconds"), ("breaker_open_seconds", "breaker_max_open_seconds")):
             if getattr(self, high) < getattr(self, low):
                 raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
+        if self.tls_trust not in ("certifi", "system"):
+            raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
         if self.revocation_issuer is not None and not _is_origin(self.revocation_issuer):

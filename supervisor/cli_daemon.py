@@ -26,13 +26,14 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
-    from supervisor.daemon import Daemon
+    from supervisor.daemon import Daemon, event_loop_factory
     from supervisor.logs import configure_logging
     from supervisor.outage import DatabaseUnavailable
 
     configure_logging(settings.log_format)
     try:
-        asyncio.run(Daemon(settings).run())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(Daemon(settings).run())
     except DatabaseUnavailable as exc:
         raise UserError(str(exc)) from None
     return 0
@@ -74,7 +75,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
-    from supervisor.bench import run_bench
+    from outboxd_bench import run_bench  # a tool beside the daemon: imported only when asked for
 
     return run_bench(settings, args)
 
@@ -95,6 +96,13 @@ def register(add: Subcommands) -> None:
     p.add_argument("--messages", type=int, default=3000, help="messages per throughput run (default 3000)")
     p.add_argument("--rate", type=float, default=200.0, help="offered rate of the latency runs (default 200/s)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of each latency run (default 10)")
-    p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    p.add_argument("--bare-concurrency", default="1,8,32",
+                   help="concurrencies of the bare httpx loop; the best is the ceiling (default 1,8,32)")
+    p.add_argument("--shared-tenants", type=int, default=100,
+                   help="tenants of the shared-origin case, all on one receiver origin (default 100)")
+    p.add_argument("--origins", type=int, default=8, help="receiver origins of the many-origins case (default 8)")
+    p.add_argument("--plain-http", action="store_true", help="run over plain HTTP instead of HTTPS")
+    p.add_argument("--peer", choices=["adcp"], help="also run the adcp SDK's PgTaskWebhookOutbox (defaults) "
+                                                    "against the same receiver and print the ratio")
     p.add_argument("--scale-rows", type=int, default=1_000_000, help="delivered rows for the scale check")
     p.add_argument("--json", action="store_true", help="print JSON")

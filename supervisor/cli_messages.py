@@ -150,6 +150,8 @@ def cmd_breakers(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
     from outbox import store
+    from outbox.db import is_postgresql
+    from outbox.partitions import drop_attempt_partitions
 
     # Attempt rows back buyers' webhook_activity[]: never purged inside its retention.
     older_than = max(args.older_than, settings.activity_retention_days * 86400.0)
@@ -157,7 +159,10 @@ def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
         print(f"keeping {settings.activity_retention_days} days of history for webhook_activity "
               "(OUTBOX_ACTIVITY_RETENTION_DAYS)", file=sys.stderr)
 
-    async def work(engine: Any) -> int:
+    async def work(engine: Any) -> tuple[int, list[str]]:
+        # PostgreSQL: attempt history older than the retention goes by whole partitions first
+        dropped = (await drop_attempt_partitions(engine, older_than=older_than)
+                   if is_postgresql(settings.database_url) else [])
         total = 0
         while True:  # one short transaction per batch: never a long lock on the table
             async with engine.begin() as conn:
@@ -165,13 +170,14 @@ def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
                                             horizon_seconds=settings.retry_horizon_seconds, limit=args.batch)
             total += n
             if n < args.batch:
-                return total
+                return total, dropped
 
-    total = with_engine(settings, work)
+    total, dropped = with_engine(settings, work)
     if args.json:
-        print_json({"deleted": total})
+        print_json({"deleted": total, "dropped_attempt_partitions": dropped})
     else:
-        print(f"deleted {total} finished message(s) and their attempts")
+        print(f"deleted {total} finished message(s) and their attempts; "
+              f"dropped {len(dropped)} attempt partition(s) older than the retention")
     return 0
 
 

@@ -317,7 +317,7 @@ class Completer:
                 metrics.commit_to_delivery.observe(max(now - m.created_at, 0.0))
             elif completion.state == "dead":
                 metrics.count_dead(completion.dead_reason, m.tenant_id)
-            if completion.state in ("delivered", "dead"):
-                self._log.info(f"message.{completion.state}", message_id=m.id, tenant_id=m.tenant_id,
-                               idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
-                               reason=completion.dead_reason)
+                # a delivery is logged once, by the attempt line (sinks); a dead message once more
+                self._log.warning("message.dead", message_id=m.id, tenant_id=m.tenant_id,
+                                  idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
+                                  reason=completion.dead_reason)

@@ -22,7 +22,7 @@ from outbox.migrate import upgrade
 from outbox.schema import messages
 from supervisor.daemon import Daemon
 from supervisor.logs import configure_logging
-from supervisor.receiver import Receiver, library_verifier, serve
+from outboxd_receiver import Receiver, library_verifier, serve
 from supervisor.signing import generate_signing_key_pem, load_signing_key
 
 DEADLINE_SECONDS = 60.0

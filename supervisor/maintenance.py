@@ -1,5 +1,6 @@
 """Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
-and sample the gauges that need a query.
+sample the gauges that need a query, and (PostgreSQL) keep the attempt partitions of the
+coming days ready (:mod:`outbox.partitions`).
 
 Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
 cut short by a crash (after which the receiver may or may not have seen the request) is
@@ -16,6 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
+from outbox.partitions import ensure_attempt_partitions
 from outbox.schema import breakers
 from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
@@ -26,6 +28,7 @@ from supervisor.outage import OutageGuard
 RESCUE_INTERVAL = 2.0
 EXPIRE_INTERVAL = 30.0
 GAUGE_INTERVAL = 15.0
+PARTITION_INTERVAL = 3600.0
 
 
 async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
@@ -67,6 +70,7 @@ class Maintenance:
         self._daemon_id = daemon_id
         self._metrics = metrics
         self._outage = outage
+        self._partitioned = engine.dialect.name == "postgresql"  # SQLite keeps one attempts table
         self._log = structlog.get_logger("outboxd.maintenance")
 
     async def run(self) -> None:
@@ -87,6 +91,10 @@ class Maintenance:
                         self._log.warning("messages.expired", count=len(expired))
                 if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:
                     await sample_gauges(self._engine, self._metrics)
+                if ticks % int(PARTITION_INTERVAL / RESCUE_INTERVAL) == 0 and self._partitioned:
+                    created = await ensure_attempt_partitions(self._engine)
+                    if created:
+                        self._log.info("attempt_partitions.created", count=created)
                 self._outage.ok()
             except Exception as exc:
                 await self._outage.failed("maintenance", exc)

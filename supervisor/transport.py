@@ -46,6 +46,7 @@ import httpx
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.urls import blocked_reason, canonicalize_url, origin
+from supervisor.tls import tls_context
 
 __all__ = ["RESPONSE_BODY_CAP", "HttpResult", "HttpSender", "Resolver"]
 
@@ -182,8 +183,13 @@ class _Origin:
             await client.aclose()
 
 
-def _ssl_context(verify: ssl.SSLContext | str | bool) -> ssl.SSLContext:
-    """Build the TLS context once: creating one per client costs milliseconds of CPU."""
+def _ssl_context(settings: Settings, verify: ssl.SSLContext | str | bool | None) -> ssl.SSLContext:
+    """Build the TLS context once: creating one per client costs milliseconds of CPU.
+
+    ``None`` (the daemon): the operator's trust settings (:func:`supervisor.tls.tls_context`).
+    """
+    if verify is None:
+        return tls_context(settings)
     if isinstance(verify, ssl.SSLContext):
         return verify
     if isinstance(verify, str):
@@ -197,7 +203,7 @@ class HttpSender:
     """POSTs webhook bodies; owns the per-origin clients and the DNS pins.
 
     Not thread-safe; use from one event loop. ``resolver`` exists for tests and custom DNS
-    (it must return address strings); ``verify`` for private CAs and self-signed tests.
+    (it must return address strings); ``verify`` overrides the configured trust (tests).
     """
 
     def __init__(
@@ -207,7 +213,7 @@ class HttpSender:
         resolver: Resolver | None = None,
         dns_ttl_seconds: float = 60.0,
         max_origins: int = 1024,
-        verify: ssl.SSLContext | str | bool = True,
+        verify: ssl.SSLContext | str | bool | None = None,
     ) -> None:
         if max_origins < 1:
             raise ValueError("max_origins must be at least 1")
@@ -215,7 +221,7 @@ class HttpSender:
         self._resolve = resolver or _default_resolver
         self._ttl = max(0.0, dns_ttl_seconds)
         self._max_origins = max_origins
-        self._ssl = _ssl_context(verify)
+        self._ssl = _ssl_context(settings, verify)
         self._origins: OrderedDict[str, _Origin] = OrderedDict()
         self._closed = False
         self._timeout = httpx.Timeout(

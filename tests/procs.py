@@ -70,7 +70,7 @@ def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name
              extra: Sequence[str] = (), log_bodies: bool = False) -> Iterator[tuple[int, Path]]:
     """A receiver process; yields (port, arrivals JSONL file)."""
     port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
-    args = [sys.executable, "-m", "supervisor.receiver", "--port-file", str(port_file), "--log", str(log),
+    args = [sys.executable, "-m", "outboxd_receiver", "--port-file", str(port_file), "--log", str(log),
             "--verifier", verifier, *extra, *(["--log-bodies"] if log_bodies else [])]
     if jwks is not None:
         args += ["--jwks", str(jwks)]

@@ -19,8 +19,9 @@ from sqlalchemy.engine import make_url
 from outbox.config import load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
-from supervisor.bench import run_bench
-from supervisor.cli import UserError, main
+from outboxd_bench import run_bench
+from outboxd_bench.procs import BenchUsageError
+from supervisor.cli import main
 
 
 @pytest.fixture
@@ -38,7 +39,8 @@ def bench_url(pg_server_url: str) -> Iterator[str]:
 
 
 def _args(**overrides: object) -> argparse.Namespace:
-    values = {"messages": 200, "rate": 50.0, "duration": 2.0, "concurrency": 16, "scale_rows": 20_000, "json": True}
+    values = {"messages": 120, "rate": 50.0, "duration": 1.5, "bare_concurrency": "1,8", "shared_tenants": 20,
+              "origins": 3, "scale_rows": 5_000, "json": True}
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -49,24 +51,26 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
     report = json.loads(capsys.readouterr().out)
 
     assert report["errors"] == {}
-    expected = {
-        "one_daemon_deliveries_per_s", "one_daemon_cpu_s_per_1000", "one_daemon_peak_rss_mb",
-        "two_daemons_deliveries_per_s", "two_daemons_cpu_s_per_1000", "two_daemons_peak_rss_mb",
-        "bare_httpx_requests_per_s", "bare_httpx_cpu_s_per_1000", "ratio_one_daemon_to_bare",
-        "ratio_two_daemons_to_one", "latency_p50_ms", "latency_p95_ms", "latency_p99_ms",
-        "isolation_healthy_p50_ms", "isolation_healthy_p95_ms", "isolation_healthy_p99_ms", "isolation_p99_ratio",
-        "claim_ms_empty", "claim_ms_scaled", "claim_time_ratio", "rss_mb_10k_due",
-    }
+    cases = ("one_origin", "shared_origin", "many_origins", "two_daemons")
+    expected = {f"{case}_{figure}" for case in cases for figure in (
+        "deliveries_per_s", "cpu_ms_per_delivery", "postgres_cpu_ms_per_delivery", "ratio_to_bare", "tail_ratio")}
+    expected |= {"bare_best_requests_per_s", "bare_best_cpu_ms_per_request", "ratio_two_daemons_to_one",
+                 "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "isolation_healthy_p99_ms",
+                 "isolation_p99_ratio", "claim_ms_empty", "claim_ms_scaled", "claim_time_ratio", "rss_mb_10k_due"}
     figures = report["figures"]
     assert expected <= figures.keys()
     for name in expected:
         assert isinstance(figures[name], (int, float)) and figures[name] > 0, name
+    assert figures["bare_best_concurrency"] in (1, 8)
     phases = report["phases"]
-    assert phases["throughput_one_daemon"]["delivered"] == 200
-    assert phases["throughput_two_daemons"]["delivered"] == 200
+    assert {"bare_c1", "bare_c8", "bare_c1_again", "bare_c8_again"} <= phases.keys()
+    for case in cases:
+        assert phases[f"throughput_{case}"]["delivered"] == 120, case
+        assert figures[f"{case}_duplicates"] == 0, case
     assert len(phases["throughput_two_daemons"]["cpu_s_per_daemon"]) == 2
+    assert report["options"]["tls"] is True  # HTTPS by default, trusted through OUTBOX_TLS_CA_FILE
     assert phases["latency_isolation"]["hanging_tenant_requests"] > 0  # reached /hang, never answered
-    assert phases["scale"]["scaled"]["history_rows"] == 20_000
+    assert phases["scale"]["scaled"]["history_rows"] == 5_000
     assert isinstance(phases["scale"]["empty"]["uses_due_idx"], bool)
     assert report["receiver"]["verifies_signatures"] is False
     assert {t["target"] for t in report["targets"]} and all(isinstance(t["pass"], bool) for t in report["targets"])
@@ -77,7 +81,7 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
 
 def test_bench_refuses_sqlite(tmp_path: object) -> None:
     settings = load_settings(env={"OUTBOX_DATABASE_URL": "sqlite:///bench.db"})
-    with pytest.raises(UserError, match="PostgreSQL"):
+    with pytest.raises(BenchUsageError, match="PostgreSQL"):
         run_bench(settings, _args())
 
 

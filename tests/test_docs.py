@@ -19,9 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = re.compile(r"DESIGN\.md|adcp-webhooks|outbox-queue-anchors|peer-webhook|shared/reference")
 CITED_FILE = re.compile(r"(?<![\w/.:-])((?:[\w.-]+/)*[\w-]+\.(?:md|toml|ya?ml|json|py))\b")
 CITED_SECTION = re.compile(r"((?:docs/)?(?:protocol|architecture)\.md),?\s+((?:\"[^\"\n]+\"(?:,\s*|\s+and\s+)?)+)")
-# Moved (and its one old citation repointed) by the issue that gives the test receiver its
-# own home; checked again from wherever it lands.
-PENDING_MOVE = {"supervisor/receiver.py"}
 DOC_FILES = ("README.md", "docs", "deploy")
 
 
@@ -39,7 +36,7 @@ def text_of(name: str) -> str | None:
 
 
 def test_no_tracked_file_cites_a_file_outside_the_repository():
-    offenders = [f"{name}:{n}" for name in tracked() if name != "tests/test_docs.py" and name not in PENDING_MOVE
+    offenders = [f"{name}:{n}" for name in tracked() if name != "tests/test_docs.py"
                  for n, line in enumerate((text_of(name) or "").splitlines(), 1) if FORBIDDEN.search(line)]
     assert not offenders, f"citations of files not in the repository: {offenders}"
 
@@ -48,7 +45,7 @@ def test_every_cited_markdown_file_exists():
     files = set(tracked())
     basenames = {Path(f).name for f in files}
     missing = []
-    for name in files - PENDING_MOVE:
+    for name in files:
         for line in (text_of(name) or "").splitlines():
             for cited in CITED_FILE.findall(line):
                 if not cited.endswith(".md") or "://" in line.split(cited)[0][-12:]:

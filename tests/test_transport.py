@@ -448,9 +448,9 @@ async def _trickle(request, reader, writer) -> bool:  # type: ignore[no-untyped-
     ids=["reset", "never-answers", "slower-than-timeout", "garbage", "closed-mid-body", "closed-no-response", "trickle"],
 )
 async def test_hostile_receiver(peers, senders, handler, kind, error, max_seconds) -> None:
-    peer = await peers(handler)
+    peer, sender = await peers(handler), senders()  # building the sender (its TLS context) is not the POST
     started = time.monotonic()
-    result = await senders().post(f"http://127.0.0.1:{peer.port}/hook?token={SECRET}", BODY, HEADERS)
+    result = await sender.post(f"http://127.0.0.1:{peer.port}/hook?token={SECRET}", BODY, HEADERS)
     took = time.monotonic() - started
     assert (result.status, result.error_kind, result.error) == (None, kind, error)
     assert result.body == b"" and dict(result.headers) == {}

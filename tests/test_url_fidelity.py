@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.urls import canonicalize_url, validate_destination
+from outboxd_receiver import Receiver, adcp_verifier, serve
 from supervisor.classify import classify_transport_error
-from supervisor.receiver import Receiver, adcp_verifier, serve
 from supervisor.signing import ALG_ED25519, SigningKey, signature_headers
 from supervisor.transport import HttpSender
 

@@ -1,0 +1,212 @@
+"""What the bench reads from ``/proc`` and the child processes it runs (receivers, daemons).
+
+The box is small (2 cores) and may be shared, so every figure comes with where the
+machine's CPU went meanwhile (:class:`CpuMeter`), read from ``/proc`` rather than
+estimated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+READY_TIMEOUT = 30.0  # a daemon or receiver that does not start within this fails the phase
+STOP_TIMEOUT = 20.0
+POLL = 0.05
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+NPROC = os.cpu_count() or 1
+
+
+class PhaseError(Exception):
+    """A phase could not produce its figures (timeout, a process that would not start)."""
+
+
+class BenchUsageError(ValueError):
+    """Bad bench input or an unusable database: one line for the operator."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a live process, from ``/proc/<pid>/stat``."""
+    fields_ = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields_[11]) + int(fields_[12])) / CLK_TCK
+
+
+def cpu_or_none(pid: int) -> float | None:
+    """:func:`cpu_seconds`, or ``None`` for a process that is gone (a closed backend)."""
+    try:
+        return cpu_seconds(pid)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def memory_mb(pid: int, field_name: str = "VmHWM") -> float:
+    """``VmHWM`` (peak resident set) or ``VmRSS`` of a live process, in MB (10^6 bytes)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024 / 1e6
+    raise PhaseError(f"/proc/{pid}/status has no {field_name}")
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs, from ``/proc/stat``."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return sum(values) - idle, sum(values)
+
+
+def percentile(values: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile (no interpolation: every reported value was observed)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise PhaseError("no samples")
+    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]
+
+
+class CpuMeter:
+    """Where the machine's CPU went during one measurement.
+
+    CPU of the daemons, the receivers, this process (the producer), the PostgreSQL backends
+    serving the bench database (their pids from ``pg_stat_activity``, their CPU from
+    ``/proc``), and ``other``: everything else that ran meanwhile (PostgreSQL's background
+    writers, other users of the machine).
+    """
+
+    def __init__(self, engine: Any, daemons: Sequence[int], receivers: Sequence[int]) -> None:
+        self._engine = engine
+        self._daemons, self._receivers = list(daemons), list(receivers)
+
+    def _backends(self) -> dict[int, float]:
+        from sqlalchemy import text
+
+        with self._engine.connect() as conn:
+            pids = conn.execute(text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")).scalars()
+            return {pid: cpu for pid in pids if (cpu := cpu_or_none(pid)) is not None}
+
+    def start(self) -> "CpuMeter":
+        self._backends0 = self._backends()
+        self._procs0 = {pid: cpu_seconds(pid) for pid in self._daemons + self._receivers}
+        self._self0 = time.process_time()
+        self._wall0 = time.perf_counter()
+        self._box0 = machine_jiffies()
+        return self
+
+    def stop(self, extra_cpu_s: float = 0.0) -> dict[str, float]:
+        """``extra_cpu_s``: CPU of a process measured by itself (the bare loop)."""
+        busy, total = machine_jiffies()
+        wall = time.perf_counter() - self._wall0
+        own = time.process_time() - self._self0
+        procs = {pid: cpu_seconds(pid) - self._procs0[pid] for pid in self._daemons + self._receivers}
+        backends = sum(cpu - self._backends0.get(pid, 0.0) for pid, cpu in self._backends().items())
+        box = (busy - self._box0[0]) / CLK_TCK
+        daemons = sum(procs[p] for p in self._daemons)
+        receivers = sum(procs[p] for p in self._receivers)
+        ours = daemons + receivers + backends + own + extra_cpu_s
+        return {"wall_s": round(wall, 3), "box_busy": round((busy - self._box0[0]) / max(total - self._box0[1], 1), 3),
+                "box_cpu_s": round(box, 2), "daemons_cpu_s": round(daemons, 3), "receiver_cpu_s": round(receivers, 3),
+                "postgres_cpu_s": round(backends, 3), "bench_cpu_s": round(own, 3),
+                "other_cpu_s": round(max(box - ours, 0.0), 2),
+                # share of the whole box taken by processes that are not part of the bench
+                "other_share": round(max(box - ours, 0.0) / max(wall * NPROC, 1e-6), 3)}
+
+
+@dataclass
+class Proc:
+    """A child process with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 400) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:].strip().replace("\n", " | ")
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    """Start ``argv`` with stdout and stderr appended to ``log``."""
+    handle = open(log, "ab")
+    try:
+        popen = subprocess.Popen(argv, env=env, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    finally:
+        handle.close()
+    return Proc(name, popen, log)
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout: float, proc: Proc | None = None) -> None:
+    """Poll ``predicate`` until true; a dead ``proc`` or the timeout fails the phase."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and not proc.alive():
+            raise PhaseError(f"{what}: {proc.name} exited with {proc.popen.returncode}: {proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise PhaseError(f"{what}: not within {timeout:.0f} s")
+        time.sleep(POLL)
+
+
+@dataclass
+class ReceiverProc:
+    """One receiver process serving one or more ports (origins), and its arrivals log."""
+
+    proc: Proc
+    ports: list[int]
+    arrivals: Path
+    scheme: str
+
+    def url(self, path: str, origin: int = 0) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.ports[origin]}{path}"
+
+    def offset(self) -> int:
+        return self.arrivals.stat().st_size
+
+    def read_from(self, offset: int) -> list[dict[str, Any]]:
+        with open(self.arrivals, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+        rows = []
+        for line in data.splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written right now
+        return rows
+
+
+def start_receiver(workdir: Path, name: str, *, listen: int = 1, tls: tuple[Path, Path] | None = None) -> ReceiverProc:
+    """``python -m outboxd_receiver`` without ``--jwks``: it spends no CPU verifying signatures."""
+    port_file, arrivals = workdir / f"{name}.port", workdir / f"{name}.jsonl"
+    arrivals.touch()
+    argv = [sys.executable, "-m", "outboxd_receiver", "--port-file", str(port_file), "--log", str(arrivals),
+            "--listen", str(listen)]
+    if tls is not None:
+        argv += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+    proc = spawn(name, argv, workdir / f"{name}.out")
+    wait_for(f"start {name}", port_file.exists, READY_TIMEOUT, proc)
+    ports = [int(p) for p in port_file.read_text().split()]
+    return ReceiverProc(proc, ports, arrivals, "https" if tls else "http")

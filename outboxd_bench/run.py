@@ -1,0 +1,97 @@
+"""``outboxd bench``: every phase in order, each bounded, then the table (or JSON).
+
+A phase that fails is reported with its error and the others still run, so one broken
+figure never hides the rest; the exit status is 0 only when every figure was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from outboxd_bench import phases
+from outboxd_bench.harness import Bench, Options
+from outboxd_bench.peer import phase_peer
+from outboxd_bench.procs import BenchUsageError, PhaseError
+from outboxd_bench.report import figures, machine_info, render_table, targets
+from outboxd_bench.scale import phase_scale
+
+Phase = tuple[str, str, Callable[[], dict[str, Any]]]
+
+
+def plan(bench: Bench) -> list[Phase]:
+    """The phases of one run; the bare loop runs before and after the daemons at each
+    concurrency, and the ceiling is the best of them, so a burst of background load during
+    one pass cannot flatter the daemon."""
+    o = bench.options
+    bare = [(f"bare_c{c}", f"bare httpx loop, concurrency {c}: {o.messages} POSTs",
+             lambda c=c: phases.phase_bare(bench, c)) for c in o.bare_concurrency]
+    again = [(f"{key}_again", f"{title} (again)", run) for key, title, run in bare]
+    main, many = bench.main, bench.many
+    peer: list[Phase] = [("peer_adcp", f"adcp PgTaskWebhookOutbox (defaults) drains {o.messages}",
+                          lambda: phase_peer(bench))] if o.peer == "adcp" else []
+    return [
+        *bare,
+        ("throughput_one_origin", f"one daemon drains {o.messages} to one origin",
+         lambda: phases.phase_throughput(bench, phases.one_origin(bench), main, tag="one")),
+        ("throughput_shared_origin", f"one daemon drains {o.messages} from {o.shared_tenants} tenants to one origin",
+         lambda: phases.phase_throughput(bench, phases.shared_origin(bench), main, tag="shared")),
+        ("throughput_many_origins", f"one daemon drains {o.messages} to {o.origins} origins",
+         lambda: phases.phase_throughput(bench, phases.many_origins(bench), many, tag="many")),
+        ("throughput_two_daemons", f"two daemons drain {o.messages} to one origin",
+         lambda: phases.phase_throughput(bench, phases.one_origin(bench), main, daemons=2, tag="two")),
+        *peer,
+        *again,
+        ("latency_healthy", f"latency at {o.rate:g}/s for {o.duration:g} s",
+         lambda: phases.phase_latency(bench, hang=False)),
+        ("latency_isolation", "latency with one tenant hanging", lambda: phases.phase_latency(bench, hang=True)),
+        ("rss_10k_due", f"RSS with {phases.DUE_FOR_RSS:,} due", lambda: phases.phase_rss(bench)),
+        ("scale", f"claim plan with 0 and {o.scale_rows:,} delivered rows", lambda: phase_scale(bench)),
+    ]
+
+
+def run_bench(settings: Any, args: argparse.Namespace) -> int:
+    """Run every phase, print the table (or JSON); 0 when every figure was measured."""
+    from outbox.db import is_postgresql
+
+    if not is_postgresql(settings.database_url):
+        raise BenchUsageError("bench needs PostgreSQL: set OUTBOX_DATABASE_URL=postgresql://... "
+                              "(SQLite is a single-process embedded store and is not benchmarked)")
+    options = Options.from_args(args)
+
+    def progress(message: str) -> None:
+        print(f"outboxd bench: {message}", file=sys.stderr, flush=True)
+
+    bench = Bench(settings, options, progress)
+    report: dict[str, Any] = {
+        "options": {k: getattr(options, k) for k in ("messages", "rate", "duration", "scale_rows", "bare_concurrency",
+                                                     "shared_tenants", "origins", "tls", "peer")},
+        "settings": {k: getattr(settings, k) for k in ("concurrency", "endpoint_concurrency", "claim_batch",
+                                                       "poll_interval_seconds")},
+        "receiver": {"path": "/ok", "verifies_signatures": False}, "phases": {}, "errors": {}}
+    try:
+        bench.preflight()
+        report["machine"] = machine_info(bench.engine)
+        bench.setup()
+        steps = plan(bench)
+        for i, (key, title, phase) in enumerate(steps, 1):
+            progress(f"[{i}/{len(steps)}] {title}")
+            try:
+                report["phases"][key] = phase()
+            except PhaseError as exc:
+                report["errors"][key] = str(exc)
+                progress(f"{key} failed: {exc}")
+            except Exception as exc:  # a database error in one phase must not hide the others' figures
+                detail = str(getattr(exc, "orig", None) or exc).splitlines()[0] if str(exc) else ""
+                report["errors"][key] = f"{type(exc).__name__}: {detail}"
+                progress(f"{key} failed: {report['errors'][key]}")
+    finally:
+        bench.teardown()
+    if not report["errors"]:
+        report["figures"] = figures(report)
+        report["targets"] = targets(report)
+    print(json.dumps(report, indent=2) if options.json else render_table(report))
+    return 0 if not report["errors"] else 1
