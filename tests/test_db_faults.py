@@ -421,6 +421,7 @@ async def test_completer_isolates_an_outcome_the_database_refuses(any_url):
     try:
         async with engine.begin() as conn:
             claimed = await store.claim(conn, limit=100, lease_seconds=0.5, horizon_seconds=86_400,
+                                        endpoint_concurrency=1000,
                                         daemon_id="unit")
         assert len(claimed) == 40
         await completer._flush_until_done([Outcome(m, "delivered", "success", http_status=200, sent=True)
@@ -439,7 +440,8 @@ async def test_completer_isolates_an_outcome_the_database_refuses(any_url):
         with sync.begin() as conn:
             conn.exec_driver_sql("DROP TRIGGER outbox_test_refuse" + (" ON outbox_attempts" if pg else ""))
         async with engine.begin() as conn:
-            again = await store.claim(conn, limit=100, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit")
+            again = await store.claim(conn, limit=100, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit",
+                                      endpoint_concurrency=1000)
         assert {m.idempotency_key for m in again} == poison and all(m.attempt == 2 for m in again)
         await completer._flush_until_done([Outcome(m, "delivered", "success", http_status=200, sent=True)
                                            for m in again])
@@ -490,7 +492,8 @@ async def test_drain_at_shutdown_records_the_batch_being_flushed(any_url):
     runner = asyncio.create_task(completer.run())
     try:
         async with engine.begin() as conn:
-            claimed = await store.claim(conn, limit=10, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit")
+            claimed = await store.claim(conn, limit=10, lease_seconds=30, horizon_seconds=86_400, daemon_id="unit",
+                                        endpoint_concurrency=1000)
         for m in claimed:
             completer.submit(Outcome(m, "delivered", "success", http_status=200, sent=True))
         await asyncio.wait_for(entered.wait(), 5)

@@ -317,7 +317,7 @@ def _check_generic(engine: Any, kwargs: dict[str, Any], settings: Any) -> Any:
     record, body, row = out
     payload = kwargs["payload"]
     if isinstance(payload, (bytes, bytearray)):
-        assert bytes(row.body) == bytes(payload), "raw bytes must be stored exactly"
+        assert stored.body(engine, record.id, settings) == bytes(payload), "raw bytes must be sent exactly as given"
     else:
         expected = _jsonable(payload)
         expected["idempotency_key"] = record.idempotency_key
