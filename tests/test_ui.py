@@ -113,6 +113,7 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
         for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
             options.add_argument(flag)
         browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+        browser.implicitly_wait(15)  # a click that submits a form may return before the next page is there
         try:
             assert procs.wait_until(lambda: finished(pg_engine, 2), 30)
             browser.get(f"{console}/messages")
