@@ -6,6 +6,7 @@ when a test wants to prove that nothing is lost.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -65,27 +66,53 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
     return proc.wait(timeout)
 
 
+_forks: subprocess.Popen[str] | None = None
+
+
+def _fork_receiver(args: Sequence[str]) -> int:
+    """Start ``python -m outboxd_receiver ARGS`` as a child of the fork server; its pid."""
+    global _forks
+    if _forks is None or _forks.poll() is not None:
+        _forks = subprocess.Popen([sys.executable, "-m", "tests.receiver_forks"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+        atexit.register(_forks.kill)
+    assert _forks.stdin is not None and _forks.stdout is not None
+    _forks.stdin.write(json.dumps({"argv": list(args)}) + "\n")
+    _forks.stdin.flush()
+    return int(json.loads(_forks.stdout.readline())["pid"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 @contextmanager
 def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name: str = "receiver",
              extra: Sequence[str] = (), log_bodies: bool = False) -> Iterator[tuple[int, Path]]:
-    """A receiver process; yields (port, arrivals JSONL file)."""
+    """A receiver process (forked by ``tests/receiver_forks.py``); yields (port, arrivals JSONL file)."""
     port_file, log = directory / f"{name}.port", directory / f"{name}.jsonl"
-    args = [sys.executable, "-m", "outboxd_receiver", "--port-file", str(port_file), "--log", str(log),
+    args = ["--port-file", str(port_file), "--log", str(log),
             "--verifier", verifier, *extra, *(["--log-bodies"] if log_bodies else [])]
     if jwks is not None:
         args += ["--jwks", str(jwks)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    pid = _fork_receiver(args)
     try:
-        deadline = time.monotonic() + 90  # importing the adcp SDK's verifier takes 30 s+ on a busy box
+        deadline = time.monotonic() + 90  # the first one waits for the fork server's adcp import
         while not port_file.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if not _alive(pid) or time.monotonic() > deadline:
                 raise RuntimeError("receiver did not start")
             time.sleep(0.05)
         log.touch()
         yield int(port_file.read_text()), log
     finally:
-        proc.kill()
-        proc.wait()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def arrivals(log: Path) -> list[dict[str, Any]]:
