@@ -51,6 +51,7 @@ class Options:
     tls: bool = True
     json: bool = False
     peer: str | None = None
+    only: tuple[str, ...] = ()  # phase names to run (empty: all)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
@@ -63,7 +64,8 @@ class Options:
                       float(getattr(args, "duration", 10.0)), int(getattr(args, "scale_rows", 1_000_000)),
                       levels, int(getattr(args, "shared_tenants", 100)), int(getattr(args, "origins", 8)),
                       not bool(getattr(args, "plain_http", False)), bool(getattr(args, "json", False)),
-                      getattr(args, "peer", None))
+                      getattr(args, "peer", None),
+                      tuple(p.strip() for p in str(getattr(args, "only", "") or "").split(",") if p.strip()))
         if options.messages < 1 or not levels or min(levels) < 1:
             raise BenchUsageError("--messages and every --bare-concurrency level must be at least 1")
         if options.rate <= 0 or options.duration <= 0:

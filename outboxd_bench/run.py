@@ -33,7 +33,7 @@ def plan(bench: Bench) -> list[Phase]:
     main, many = bench.main, bench.many
     peer: list[Phase] = [("peer_adcp", f"adcp PgTaskWebhookOutbox (defaults) drains {o.messages}",
                           lambda: phase_peer(bench))] if o.peer == "adcp" else []
-    return [
+    steps: list[Phase] = [
         *bare,
         ("throughput_one_origin", f"one daemon drains {o.messages} to one origin",
          lambda: phases.phase_throughput(bench, phases.one_origin(bench), main, tag="one")),
@@ -51,6 +51,13 @@ def plan(bench: Bench) -> list[Phase]:
         ("rss_10k_due", f"RSS with {phases.DUE_FOR_RSS:,} due", lambda: phases.phase_rss(bench)),
         ("scale", f"claim plan with 0 and {o.scale_rows:,} delivered rows", lambda: phase_scale(bench)),
     ]
+    if not o.only:
+        return steps
+    unknown = sorted(set(o.only) - {key for key, _, _ in steps})
+    if unknown:
+        raise BenchUsageError(f"--only: no phase named {', '.join(unknown)} "
+                              f"(phases: {', '.join(key for key, _, _ in steps)})")
+    return [step for step in steps if step[0] in o.only]
 
 
 def run_bench(settings: Any, args: argparse.Namespace) -> int:
@@ -90,7 +97,7 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
                 progress(f"{key} failed: {report['errors'][key]}")
     finally:
         bench.teardown()
-    if not report["errors"]:
+    if not report["errors"] and not options.only:
         report["figures"] = figures(report)
         report["targets"] = targets(report)
     print(json.dumps(report, indent=2) if options.json else render_table(report))
