@@ -93,3 +93,13 @@ def test_bench_refuses_a_non_empty_outbox(bench_url: str, capsys: pytest.Capture
     assert main(["bench", "--messages", "10"]) == 1
     err = capsys.readouterr().err
     assert "not empty" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_only_runs_the_named_phases(bench_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": bench_url})
+    assert run_bench(settings, _args(only="bare_c1", bare_concurrency="1")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["phases"]) == ["bare_c1"] and report["phases"]["bare_c1"]["requests_per_s"] > 0
+    assert "figures" not in report  # ratios need the phases they compare
+    with pytest.raises(BenchUsageError, match="no phase named nosuch"):
+        run_bench(settings, _args(only="bare_c1,nosuch"))
