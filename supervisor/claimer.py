@@ -6,11 +6,14 @@ per origin, so a slow or hanging endpoint holds at most its own share of slots, 
 makes other tenants' messages wait behind it, and nothing claimed has to be handed back.
 This module holds the global cap (``OUTBOX_CONCURRENCY``, which also counts outcomes still
 waiting for the completer, since they hold leases too) and takes the half-open probe.
+A freed slot runs the claim again only when the last claim may have left due work behind;
+otherwise new work (a NOTIFY), the poll or the earliest retry's time wakes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -53,6 +56,12 @@ class Claimer:
         self._submit = submit
         self._outage = outage
         self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._per_origin: Counter[str] = Counter()  # requests in flight per origin
+        # Whether the last claim may have left due work behind (a full batch, or an origin at
+        # its cap): only then can a freed slot make anything claimable. Otherwise what is due
+        # was all taken, and only new work (a NOTIFY), the poll or a retry's time brings more:
+        # a request ending is no reason to run the claim again.
+        self._capped = True
         self._wake = asyncio.Event()
         self._stopping = False
         self._log = structlog.get_logger("outboxd.claimer")
@@ -62,8 +71,13 @@ class Claimer:
         return len(self._tasks)
 
     def wake(self) -> None:
-        """Something may be due now (a NOTIFY, a freed slot, recorded outcomes)."""
+        """New work may be due now (a NOTIFY)."""
         self._wake.set()
+
+    def freed(self) -> None:
+        """Capacity freed (a request ended, outcomes recorded): claim again if work was left behind."""
+        if self._capped:
+            self._wake.set()
 
     def stop(self) -> None:
         self._stopping = True
@@ -112,13 +126,20 @@ class Claimer:
                                       endpoint_concurrency=self._settings.endpoint_concurrency,
                                       done_ids=self._unrecorded())
         self._metrics.claim_batch.observe(len(batch))
+        self._capped = len(batch) >= limit
         for message in batch:
             if not await self._may_send(message):
                 # Another daemon took this endpoint's half-open probe between our claim and
                 # now: hand the message back untouched (no attempt made, none counted).
                 self._submit(Outcome(message, "release", "released"))
                 continue
+            self._per_origin[message.origin or ""] += 1
             self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))
+        # Outcomes not yet recorded may still hold slots of any origin (the claim counts them):
+        # counting all of them against every origin errs towards claiming again, never stalling.
+        unrecorded = self._backlog()
+        cap = self._settings.endpoint_concurrency
+        self._capped = self._capped or any(n + unrecorded >= cap for n in self._per_origin.values())
         self._metrics.in_flight.set(self.in_flight)
         return batch
 
@@ -145,9 +166,13 @@ class Claimer:
             outcome = Outcome(message, "retry", "failed", error=f"internal error: {type(exc).__name__}")
         finally:
             self._tasks.pop(message.id, None)
+            origin = message.origin or ""
+            self._per_origin[origin] -= 1
+            if self._per_origin[origin] <= 0:
+                del self._per_origin[origin]
             self._metrics.in_flight.set(self.in_flight)
             self._submit(outcome)  # noqa: B012 - recorded even when cancelled
-            self._wake.set()  # a slot (global and of its origin) is free: look again
+            self.freed()  # a slot (global and of its origin) is free: look again if that can help
 
     async def _next_due(self) -> tuple[float | None, float]:
         async with self._autocommit.begin() as conn:

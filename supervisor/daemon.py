@@ -90,7 +90,7 @@ class Daemon:
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
         self.completer = Completer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                    fanout=self.fanout, outage=self.outage,
-                                   on_recorded=lambda: self.claimer.wake())
+                                   on_recorded=lambda: self.claimer.freed())
         self.clock = DatabaseClock()
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender,

@@ -168,6 +168,51 @@ async def test_claimer_counts_unrecorded_outcomes_against_its_concurrency(any_ur
         sync.dispose()
 
 
+async def test_claimer_claims_again_for_freed_slots_only_when_work_was_left_behind(any_url):
+    """A request ending frees a slot; it is worth a claim only when the last claim left due
+    work behind (a full batch, or an origin at its cap). Defaults: 1 s poll, cap 8."""
+    import asyncio
+
+    from outbox.db import make_async_engine
+    from supervisor.attempt import Outcome
+    from supervisor.claimer import Claimer
+    from supervisor.metrics import Metrics
+    from supervisor.outage import OutageGuard
+
+    sync = make_engine(any_url)
+    engine = make_async_engine(any_url)
+    settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": any_url})
+    done: list[int] = []
+
+    async def quick(message):  # the HTTP request, answered after 20 ms
+        await asyncio.sleep(0.02)
+        return Outcome(message, "delivered", "success", http_status=200, sent=True)
+
+    def submit(outcome: Outcome) -> None:  # recorded at once, as far as capacity goes
+        done.append(outcome.message.id)
+
+    metrics = Metrics()
+    claimer = Claimer(engine, settings=settings, daemon_id="unit", metrics=metrics, attempt=quick, submit=submit,
+                      outage=OutageGuard(5), unrecorded=lambda: list(done))
+    claims = lambda: metrics.claim_batch.collect()[0].samples  # noqa: E731
+    count = lambda: next(s.value for s in claims() if s.name.endswith("_count"))  # noqa: E731
+    enqueue_batch(sync, [("t0", "https://buyer.example.com/hook", message_key("few", i)) for i in range(3)])
+    task = asyncio.create_task(claimer.run())
+    try:
+        await asyncio.sleep(0.6)
+        assert len(done) == 3
+        assert count() == 1, "three requests ending after a claim that took everything due claimed again"
+        enqueue_batch(sync, [("t0", "https://buyer.example.com/hook", message_key("many", i)) for i in range(40)])
+        claimer.wake()  # the NOTIFY of that commit
+        await asyncio.sleep(0.6)  # well inside the 1 s poll: freed slots of the capped origin were refilled
+        assert len(done) == 43, f"{len(done)} of 43 sent: a capped origin's freed slots must be refilled at once"
+    finally:
+        claimer.stop()
+        await asyncio.wait_for(task, 5)
+        await engine.dispose()
+        sync.dispose()
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_chaos_sigkill_and_postgresql_crash_lose_nothing(cluster, tmp_path, keypair):
