@@ -19,7 +19,6 @@ import tracemalloc
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import anyio
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -33,26 +32,44 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 SECRET = "SECRET123456"
 
 
+# --------------------------------------------------------------------------- loops
+
+
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    """Every test on asyncio's loop and on uvloop's, which the daemon runs on (their
+    transports differ: uvloop's are not ``asyncio.Transport`` subclasses)."""
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
+
+
 # --------------------------------------------------------------------------- guard
 
 
 @pytest.fixture(autouse=True)
 def connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every host httpcore asked to connect to; a non-loopback one is refused outright."""
-    seen: list[str] = []
-    real = anyio.connect_tcp
+    """Every address a socket connected to; a non-loopback one is refused outright.
 
-    async def guarded(remote_host, remote_port, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(str(remote_host))
-        try:  # a host name here would mean a second, unvetted resolution
-            loopback = ipaddress.ip_address(str(remote_host)).is_loopback
+    The guard sits on ``socket.socket.connect``, below the sender: whatever path a connection
+    takes, a host name or a private address here would be a second, unvetted resolution.
+    """
+    seen: list[str] = []
+    real = socket.socket.connect
+
+    def guarded(sock: socket.socket, address) -> None:  # type: ignore[no-untyped-def]
+        host = str(address[0])
+        seen.append(host)
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
         except ValueError:
             loopback = False
         if not loopback:
             raise OSError("test guard: only loopback IP addresses may be contacted")
-        return await real(remote_host, remote_port, **kwargs)
+        return real(sock, address)
 
-    monkeypatch.setattr(anyio, "connect_tcp", guarded)
+    monkeypatch.setattr(socket.socket, "connect", guarded)
     return seen
 
 

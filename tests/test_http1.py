@@ -1,0 +1,244 @@
+"""supervisor.http1: the daemon's HTTP/1.1 connection, differentially against h11.
+
+h11 (the pure-Python parser under httpx) is the oracle: hypothesis writes responses with
+every framing HTTP/1.1 allows (Content-Length, chunked with extensions and trailers, a body
+delimited by the close, interim 1xx answers first), splits them at random points, and the
+connection must read the same status, headers and body as h11 does, and reuse the
+connection exactly when h11 says the exchange left it reusable. Garbage must always end
+as a failure from the fixed vocabulary. A few socket-level cases follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from supervisor.http1 import Http1Connection, TransportFailure, encode_request
+from supervisor.transport import HttpSender
+from tests.test_transport import BODY, HEADERS, Request, ok, response  # noqa: F401 - fixtures below
+from tests.test_transport import event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
+from tests.test_transport import settings as transport_settings
+
+CAP = 1024
+KINDS = {"timeout", "connection_error", "protocol_error"}
+
+
+class FakeTransport(asyncio.Transport):
+    """Collects what the connection writes; records how it was closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closing: str | None = None
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closing is not None
+
+    def abort(self) -> None:
+        self.closing = self.closing or "abort"
+
+    def close(self) -> None:
+        self.closing = self.closing or "close"
+
+
+async def exchange(chunks: list[bytes], eof: bool, read_timeout: float = 5.0
+                   ) -> tuple[int, dict[str, str], bytes, bool] | TransportFailure:
+    loop = asyncio.get_running_loop()
+    connection = Http1Connection(loop, CAP)
+    connection.connection_made(FakeTransport())
+    request = asyncio.ensure_future(connection.request(b"POST / HTTP/1.1\r\nHost: x\r\n\r\n", read_timeout))
+    await asyncio.sleep(0)
+    for chunk in chunks:
+        if connection.closed:
+            break
+        connection.data_received(chunk)
+    if eof and not connection.closed:
+        connection.connection_lost(None)
+    try:
+        return await asyncio.wait_for(request, 1.0)
+    except TransportFailure as failure:
+        return failure
+
+
+def oracle(raw: bytes, eof: bool) -> tuple[int, dict[str, str], bytes, bool] | None:
+    """What h11 reads from ``raw``: (status, headers, body[:CAP], reusable), or None if it is not a response."""
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(raw)
+    if eof:
+        client.receive_data(b"")
+    status, headers, body = 0, {}, b""
+    try:
+        while True:
+            event = client.next_event()
+            if isinstance(event, h11.Response):
+                status = event.status_code
+                for name, value in event.headers:
+                    key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+                    headers[key] = text if key not in headers else f"{headers[key]}, {text}"
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) >= CAP:
+                    return status, headers, body[:CAP], False
+            elif isinstance(event, h11.EndOfMessage):
+                reusable = client.our_state is h11.DONE and client.their_state is h11.DONE
+                return status, headers, body, reusable and not eof
+            elif event is h11.NEED_DATA or isinstance(event, h11.ConnectionClosed):
+                return None
+    except h11.RemoteProtocolError:
+        return None
+
+
+TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_", min_size=1, max_size=12)
+VALUE = st.text(alphabet="".join(chr(c) for c in range(0x21, 0x7F)), max_size=20)
+FRAMING = ("length", "chunked", "close")
+
+
+@st.composite
+def responses(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """A well-formed response, framed one of the three ways, and whether the peer closes after it."""
+    status = draw(st.integers(200, 599).filter(lambda s: s not in (204, 304)))
+    headers = draw(st.lists(st.tuples(TOKEN, VALUE), max_size=5).map(
+        lambda hs: [(n, v) for n, v in hs if n.lower() not in ("content-length", "transfer-encoding", "connection")]))
+    body = draw(st.binary(max_size=3 * CAP))
+    framing = draw(st.sampled_from(FRAMING))
+    close = draw(st.booleans()) or framing == "close"
+    lines = [f"HTTP/1.1 {status} {draw(st.sampled_from(['OK', 'X', '']))}".rstrip(" ")]
+    interim = draw(st.sampled_from([b"", b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"]))
+    lines += [f"{n}: {v}" for n, v in headers]
+    if close:
+        lines.append("Connection: close")
+    if framing == "length":
+        lines.append(f"Content-Length: {len(body)}")
+        payload = body
+    elif framing == "chunked":
+        lines.append("Transfer-Encoding: chunked")
+        sizes = draw(st.lists(st.integers(1, 700), max_size=8))
+        payload, rest = b"", body
+        for size in sizes:
+            piece, rest = rest[:size], rest[size:]
+            if piece:
+                payload += f"{len(piece):x}".encode() + draw(st.sampled_from([b"", b";ext=1"])) + b"\r\n" + piece + b"\r\n"
+        if rest:
+            payload += f"{len(rest):X}\r\n".encode() + rest + b"\r\n"
+        payload += b"0\r\n" + draw(st.sampled_from([b"", b"Trailer-X: 1\r\n"])) + b"\r\n"
+    else:
+        payload = body
+    return interim + ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload, close
+
+
+def split(raw: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(raw) + 1) for c in cuts})
+    return [raw[a:b] for a, b in zip([0, *points], [*points, len(raw)]) if raw[a:b]]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(responses(), st.lists(st.integers(0, 10_000), max_size=6))
+def test_reads_every_framing_as_h11_does(case: tuple[bytes, bool], cuts: list[int]) -> None:
+    raw, close = case
+    expected = oracle(raw, eof=close)
+    assert expected is not None, "the generator wrote a response h11 cannot read"
+    got = asyncio.run(exchange(split(raw, cuts), eof=close))
+    assert not isinstance(got, TransportFailure), got.error
+    assert got[:3] == expected[:3]
+    assert got[3] == expected[3]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300) | st.builds(lambda head, tail: b"HTTP/1.1 " + head + b"\r\n" + tail,
+                                          st.binary(max_size=40), st.binary(max_size=200)),
+       st.lists(st.integers(0, 1000), max_size=4), st.booleans())
+def test_garbage_ends_in_the_fixed_vocabulary(raw: bytes, cuts: list[int], eof: bool) -> None:
+    got = asyncio.run(exchange(split(raw, cuts), eof=eof, read_timeout=0.01))  # incomplete: a read timeout
+    if isinstance(got, TransportFailure):
+        assert got.kind in KINDS and got.error.split(":")[0] in {"RemoteProtocolError", "ReadTimeout", "ReadError"}
+    else:  # llhttp accepted it: then h11 must read the same answer
+        expected = oracle(raw, eof=eof)
+        if expected is not None:
+            assert got[:3] == expected[:3]
+
+
+def test_interim_answers_are_skipped_and_bytes_after_the_answer_drop_the_connection() -> None:
+    raw = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n"
+    got = asyncio.run(exchange([raw], eof=False))
+    assert not isinstance(got, TransportFailure)
+    assert (got[0], got[2]) == (201, b"ok")
+
+
+def test_upgrade_is_not_an_answer() -> None:
+    raw = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n"
+    got = asyncio.run(exchange([raw], eof=False))
+    assert isinstance(got, TransportFailure) and got.kind == "protocol_error"
+
+
+@given(st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4))
+def test_a_header_that_could_smuggle_another_is_refused(headers: dict[str, str]) -> None:
+    """Names must be tokens, values free of CR, LF and other controls; framing is ours."""
+    try:
+        data = encode_request("/p?q=1", "buyer.example", headers, b"{}", {"User-Agent": "outboxd"})
+    except TransportFailure as failure:
+        assert failure.kind == "protocol_error"
+        return
+    head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    assert head[0] == "POST /p?q=1 HTTP/1.1" and head[1] == "Host: buyer.example"
+    assert head[-1] == "Content-Length: 2"
+    assert len(head) == 3 + len({n.lower() for n in headers if n.lower() not in
+                                 ("host", "content-length", "transfer-encoding", "connection")} | {"user-agent"})
+
+
+# --------------------------------------------------------------------------- over sockets
+
+
+async def test_chunked_answer_over_a_socket_keeps_the_connection(peers, senders) -> None:  # noqa: F811
+    async def chunked(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    peer = await peers(chunked)
+    sender = senders()
+    for _ in range(2):
+        result = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+        assert (result.status, result.body) == (200, b"ok")
+    assert peer.connections == 1
+
+
+async def test_a_connection_the_receiver_closed_while_idle_is_not_reused(peers, senders) -> None:  # noqa: F811
+    async def once(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        await ok(request, reader, writer)
+        return False  # answer, then close the idle keep-alive connection
+
+    peer = await peers(once)
+    sender = senders()
+    assert (await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)).status == 200
+    await asyncio.sleep(0.05)  # the close reaches us while the connection is idle
+    assert (await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)).status == 200
+    assert peer.connections == 2
+
+
+async def test_connection_close_answer_is_not_reused(peers, senders) -> None:  # noqa: F811
+    async def closing(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        writer.write(response(200, b"ok", "Connection: close\r\n"))
+        await writer.drain()
+        return True  # the server would keep it; the client must not
+
+    peer = await peers(closing)
+    sender: HttpSender = senders(transport_settings())
+    for _ in range(2):
+        assert (await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)).status == 200
+    assert peer.connections == 2
+
+
+@pytest.mark.parametrize("tail", ["/a b", "/caf\u00e9", "/%7e"])
+async def test_only_a_canonical_target_is_sent(peers, senders, tail: str) -> None:  # noqa: F811
+    peer = await peers()
+    result = await senders().post(f"http://127.0.0.1:{peer.port}{tail}", BODY, HEADERS)
+    assert result.error_kind in ("invalid", "blocked") and peer.requests == []
