@@ -54,35 +54,57 @@ def _claim_sql(pg: bool, now: str) -> str:
 
     Per endpoint (tenant, origin) it takes the oldest due messages, none while its breaker
     is open or its half-open probe is out, one (the probe) once the open period is over.
-    Per origin it then deals slots round-robin across that origin's tenants, up to
-    ``OUTBOX_ENDPOINT_CONCURRENCY`` minus what this daemon already holds there (its
-    in-flight rows, outcomes not yet recorded included), and across origins it takes
-    everyone's first slot before anyone's second: fair, and nothing is claimed that would
-    have to be handed back. PostgreSQL walks the endpoints with a skip scan of
-    ``outbox_messages_endpoint_due_idx`` and reads each endpoint's due head through a
-    LATERAL index scan, so the cost is the number of endpoints with pending work plus what
-    is claimed, never the history or a long backlog (the CTEs are MATERIALIZED: inlined,
-    the planner may re-run the per-endpoint scans once per candidate row). SQLite (a
-    single host's outbox) ranks the due rows with a window function.
+    Per origin it then deals slots round-robin across that origin's tenants, up to the
+    caller's per-origin lease budget (``:cap``; the claimer passes two rounds of
+    ``OUTBOX_ENDPOINT_CONCURRENCY``, see ``supervisor/dispatch.py``) minus what this daemon
+    already holds there (its in-flight rows, outcomes not yet recorded included), and across
+    origins it takes everyone's first slot before anyone's second: fair, and nothing is
+    claimed that would have to be handed back.
+
+    PostgreSQL walks the endpoints with a skip scan of ``outbox_messages_endpoint_due_idx``
+    (each step also reads the endpoint's earliest due time) and reads due heads through
+    LATERAL index scans. An origin with at least as many open, due endpoints as free slots
+    fills them in the first round: only its endpoints due longest are read, one row each;
+    otherwise each is read as deep as the origin's free slots. The cost is the number of
+    endpoints with pending work plus what is claimed, never the history or a long backlog
+    (the CTEs are MATERIALIZED: inlined, the planner may re-run the per-endpoint scans once
+    per candidate row). SQLite (a single host's outbox) ranks the due rows with a window
+    function.
     """
     done = "jsonb_array_elements_text(CAST(:done AS jsonb))" if pg else "json_each(:done)"
     room = f"""CASE WHEN b.state = 'open' AND b.open_until > {now} THEN 0
                     WHEN b.state = 'half_open' AND b.probe_until > {now} THEN 0
                     WHEN b.state IN ('open', 'half_open') THEN 1 ELSE :cap END"""
+    held = f"""
+        held AS {"MATERIALIZED " if pg else ""}(
+            SELECT COALESCE(origin, '') AS o, count(*) AS n FROM outbox_messages
+            WHERE state = 'in_flight' AND leased_by = :daemon
+              AND id NOT IN (SELECT CAST(value AS {"bigint" if pg else "integer"}) FROM {done})
+            GROUP BY COALESCE(origin, '')
+        ),"""
     if pg:
         heads = f"""
             endpoints AS (
-                (SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o FROM outbox_messages AS m
-                 WHERE m.state = 'pending' ORDER BY m.tenant_id, COALESCE(m.origin, '') LIMIT 1)
+                (SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o, m.next_attempt_at AS due
+                 FROM outbox_messages AS m WHERE m.state = 'pending'
+                 ORDER BY m.tenant_id, COALESCE(m.origin, ''), m.next_attempt_at LIMIT 1)
                 UNION ALL
-                SELECT n.t, n.o FROM endpoints AS e CROSS JOIN LATERAL (
-                    SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o FROM outbox_messages AS m
+                SELECT n.t, n.o, n.due FROM endpoints AS e CROSS JOIN LATERAL (
+                    SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o, m.next_attempt_at AS due
+                    FROM outbox_messages AS m
                     WHERE m.state = 'pending' AND (m.tenant_id, COALESCE(m.origin, '')) > (e.t, e.o)
-                    ORDER BY m.tenant_id, COALESCE(m.origin, '') LIMIT 1) AS n
-            ),
-            gates AS (
-                SELECT e.t, e.o, {room} AS room
+                    ORDER BY m.tenant_id, COALESCE(m.origin, ''), m.next_attempt_at LIMIT 1) AS n
+            ),{held}
+            open_endpoints AS (
+                SELECT e.t, e.o, e.due, {room} AS room, :cap - COALESCE(h.n, 0) AS free
                 FROM endpoints AS e LEFT JOIN outbox_breakers AS b ON b.tenant_id = e.t AND b.origin = e.o
+                LEFT JOIN held AS h ON h.o = e.o
+                WHERE e.due <= {now}
+            ),
+            gates AS MATERIALIZED (
+                SELECT t, o, room, free, count(*) OVER (PARTITION BY o) AS peers,
+                       row_number() OVER (PARTITION BY o ORDER BY due, t) AS rank
+                FROM open_endpoints WHERE room > 0 AND free > 0
             ),
             heads AS MATERIALIZED (
                 SELECT h.id, h.next_attempt_at, g.t, g.o, h.nth FROM gates AS g CROSS JOIN LATERAL (
@@ -90,8 +112,9 @@ def _claim_sql(pg: bool, now: str) -> str:
                     FROM outbox_messages AS m
                     WHERE m.state = 'pending' AND m.tenant_id = g.t AND COALESCE(m.origin, '') = g.o
                       AND m.next_attempt_at <= {now}
-                    ORDER BY m.next_attempt_at, m.id LIMIT g.room) AS h
-                WHERE g.room > 0
+                    ORDER BY m.next_attempt_at, m.id
+                    LIMIT LEAST(g.room, CASE WHEN g.peers >= g.free THEN 1 ELSE g.free END)) AS h
+                WHERE g.peers < g.free OR g.rank <= g.free
             ),"""
         lock = "FOR UPDATE OF m SKIP LOCKED"
     else:
@@ -105,19 +128,13 @@ def _claim_sql(pg: bool, now: str) -> str:
                     LEFT JOIN outbox_breakers AS b ON b.tenant_id = m.tenant_id AND b.origin = m.origin
                     WHERE m.state = 'pending' AND m.next_attempt_at <= {now}) AS ranked_rows
                 WHERE nth <= room
-            ),"""
+            ),{held}"""
         lock = ""
     # The target table is not aliased: SQLite resolves RETURNING only so.
     breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
                " AND b.origin = outbox_messages.origin)")
     return f"""
         WITH {"RECURSIVE " if pg else ""}{heads}
-        held AS {"MATERIALIZED " if pg else ""}(
-            SELECT COALESCE(origin, '') AS o, count(*) AS n FROM outbox_messages
-            WHERE state = 'in_flight' AND leased_by = :daemon
-              AND id NOT IN (SELECT CAST(value AS {"bigint" if pg else "integer"}) FROM {done})
-            GROUP BY COALESCE(origin, '')
-        ),
         slots AS {"MATERIALIZED " if pg else ""}(
             SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
             FROM heads
@@ -299,8 +316,8 @@ async def claim(
     """Lease up to ``limit`` messages that may be sent now, in one statement.
 
     Endpoints behind an open breaker are passed over, an origin gets no more than
-    ``endpoint_concurrency`` open requests from this daemon (its in-flight rows except
-    ``done_ids``, whose request is over but not yet recorded), and claiming starts no clock: the
+    ``endpoint_concurrency`` leases from this daemon (its in-flight rows except ``done_ids``,
+    whose request is over but not yet recorded), and claiming starts no clock: the
     retry horizon counts from enqueue (``retry_until`` is stamped with that deadline).
     Each row's origin is recomputed from its URL with :func:`outbox.urls.endpoint_origin`
     (the completion writes back a stored one that differs): a row a plain-SQL producer wrote

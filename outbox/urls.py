@@ -8,6 +8,7 @@ SSRF check (docs/protocol.md "Destinations (SSRF)"), which re-applies :func:`blo
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import string
@@ -192,6 +193,7 @@ def _canonical_path(path: str) -> str:
     return _remove_dot_segments(_normalize_escapes(path, _PATH_SAFE, path=True)) if path else "/"
 
 
+@functools.lru_cache(maxsize=4096)  # pure; the daemon asks it of the same buyer URLs on every attempt
 def canonicalize_url(url: str) -> str:
     """The AdCP canonical form of a webhook URL (docs/protocol.md "Signing" ``@target-uri``), also what is sent.
 
@@ -230,6 +232,7 @@ def origin(canonical_url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and asked of every claimed row
 def endpoint_origin(url: str) -> str | None:
     """:func:`origin` of any stored URL, canonicalized first; ``None`` if it has no canonical form.
 

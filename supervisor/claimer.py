@@ -1,20 +1,26 @@
 """Leases due messages and starts their attempts, within the concurrency limits.
 
-The per-origin cap (``OUTBOX_ENDPOINT_CONCURRENCY``) and the breakers are applied inside
-the claim statement (:func:`outbox.store.claim`): it counts this daemon's in-flight rows
-per origin, so a slow or hanging endpoint holds at most its own share of slots, never
-makes other tenants' messages wait behind it, and nothing claimed has to be handed back.
-This module holds the global cap (``OUTBOX_CONCURRENCY``, which also counts outcomes still
-waiting for the completer, since they hold leases too) and takes the half-open probe.
-A freed slot runs the claim again only when the last claim may have left due work behind;
-otherwise new work (a NOTIFY), the poll or the earliest retry's time wakes it.
+The per-origin budget and the breakers are applied inside the claim statement
+(:func:`outbox.store.claim`): it counts this daemon's leases per origin, so a slow or
+hanging endpoint holds at most its own share, never makes other tenants' messages wait
+behind it. The budget is two rounds of ``OUTBOX_ENDPOINT_CONCURRENCY``: one of requests,
+one waiting its turn in :class:`supervisor.dispatch.Dispatcher`, which starts the next
+message the moment a request ends. This module holds the global cap (``OUTBOX_CONCURRENCY``
+requests, and about twice that in leases, outcomes still waiting for the completer
+included) and takes the half-open probe.
+
+A claim runs on new work (a NOTIFY), on the poll, at the earliest retry's time, at once
+after a full batch, and when a request ends while the last claim left due work behind
+(a full batch, or an origin at its budget) and that origin's queue has run low: never after
+a fixed pause, so a message committed alone is claimed as soon as its NOTIFY arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager as AsyncContextManager, nullcontext
+from typing import Any
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,14 +30,14 @@ from outbox.config import Settings
 from outbox.store import Claimed
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitState
+from supervisor.dispatch import Dispatcher
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
+from supervisor.pgdirect import DirectConnection
 
 Attempt = Callable[[Claimed], Awaitable[Outcome]]
 BACKLOG_RECHECK_SECONDS = 0.05
-# After a partial claim, wake-ups (requests ending, flushes, NOTIFYs) within this long are
-# served by one claim, not one each.
-CLAIM_COOLDOWN_SECONDS = 0.005
+LEASE_ROUNDS = 2  # leases per origin (and in all) per round of requests: one running, one waiting
 
 
 class Claimer:
@@ -40,13 +46,12 @@ class Claimer:
                  backlog: Callable[[], int] = lambda: 0,
                  unrecorded: Callable[[], list[int]] = lambda: []) -> None:
         self._engine = engine
-        # PostgreSQL: single statements in autocommit, no BEGIN/COMMIT round trips. SQLite
-        # keeps its BEGIN IMMEDIATE transactions (the driver's autocommit mode and ours clash).
-        self._autocommit = (engine.execution_options(isolation_level="AUTOCOMMIT")
-                            if engine.dialect.name == "postgresql" else engine)
-        # Outcomes waiting to be recorded still hold their leases: past one round of the
-        # concurrency they count against it, so a completer that falls behind slows claiming
-        # instead of letting leases pile up (a crash would resend every one of them).
+        # PostgreSQL: single statements in autocommit on the claimer's own driver connection
+        # (supervisor/pgdirect.py). SQLite keeps its BEGIN IMMEDIATE transactions.
+        self._direct = DirectConnection.of(engine)
+        # Outcomes waiting to be recorded still hold their leases and count against the
+        # lease budget, so a completer that falls behind slows claiming instead of letting
+        # leases pile up (a crash would resend every one of them).
         self._backlog = backlog
         self._unrecorded = unrecorded  # leased messages whose request is over (no slot held)
         self._settings = settings
@@ -56,11 +61,16 @@ class Claimer:
         self._submit = submit
         self._outage = outage
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._per_origin: Counter[str] = Counter()  # requests in flight per origin
+        self._budget = LEASE_ROUNDS * settings.endpoint_concurrency  # leases per origin (the claim's cap)
+        self._dispatch = Dispatcher(
+            concurrency=settings.concurrency, endpoint_concurrency=settings.endpoint_concurrency,
+            lease_seconds=settings.lease_seconds,
+            attempt_seconds=settings.connect_timeout_seconds + settings.read_timeout_seconds,
+            start=self._begin, release=lambda m: self._submit(Outcome(m, "release", "released")))
         # Whether the last claim may have left due work behind (a full batch, or an origin at
-        # its cap): only then can a freed slot make anything claimable. Otherwise what is due
-        # was all taken, and only new work (a NOTIFY), the poll or a retry's time brings more:
-        # a request ending is no reason to run the claim again.
+        # its budget): only then can a freed slot make anything claimable. Otherwise what is
+        # due was all taken, and only new work (a NOTIFY), the poll or a retry's time brings
+        # more: a request ending is no reason to run the claim again.
         self._capped = True
         self._wake = asyncio.Event()
         self._stopping = False
@@ -74,10 +84,21 @@ class Claimer:
         """New work may be due now (a NOTIFY)."""
         self._wake.set()
 
-    def freed(self) -> None:
-        """Capacity freed (a request ended, outcomes recorded): claim again if work was left behind."""
+    def recorded(self, failures: Iterable[Claimed], tripped: Iterable[tuple[str, str]]) -> None:
+        """The completer recorded a batch: ``tripped`` endpoints' breakers opened (what waits
+        for them goes back unsent), and ``failures`` (retryable) free their slots."""
+        self._dispatch.tripped(tripped)
+        self._dispatch.settled(failures)
+        self._metrics.in_flight.set(self.in_flight)
         if self._capped:
             self._wake.set()
+
+    def _connection(self) -> AsyncContextManager[Any]:
+        return nullcontext(self._direct) if self._direct is not None else self._engine.begin()
+
+    async def aclose(self) -> None:
+        if self._direct is not None:
+            await self._direct.aclose()
 
     def stop(self) -> None:
         self._stopping = True
@@ -85,9 +106,10 @@ class Claimer:
 
     async def run(self) -> None:
         while not self._stopping:
-            # Outcomes queued for the completer hold leases too: once more than a full round
-            # of them waits, the completer is behind and claiming pauses until it catches up.
-            free = self._settings.concurrency - self.in_flight - max(self._backlog() - self._settings.concurrency, 0)
+            # Every lease counts: requests open, messages waiting their turn, and outcomes the
+            # completer has not recorded yet, within two rounds of the concurrency.
+            free = (LEASE_ROUNDS * self._settings.concurrency - self.in_flight - self._dispatch.queued
+                    - self._backlog())
             if free <= 0:  # full, or the completer is behind: look again when a slot frees
                 await self._sleep(BACKLOG_RECHECK_SECONDS)
                 continue
@@ -98,48 +120,47 @@ class Claimer:
                 if len(batch) == limit:
                     self._outage.ok()
                     continue  # more may be due: claim again at once
-                if not batch and not self._tasks:  # idle: sleep until the earliest retry, at most a poll
+                if not batch and not self._tasks and not self._dispatch.queued:
+                    # idle: sleep until the earliest retry, at most a poll
                     next_due, now = await self._next_due()
                     if next_due is not None and next_due > now:
                         timeout = min(timeout, next_due - now)
-                # A partial batch took everything that may go now; a request ending, a flush,
-                # a NOTIFY or the poll brings the rest.
+                # A partial batch took everything that may go now; a NOTIFY, a request ending
+                # with work left behind, the poll or the earliest retry brings the rest.
                 self._outage.ok()
             except Exception as exc:
                 await self._outage.failed("claim messages", exc)
                 continue
             await self._sleep(timeout)
-            await asyncio.sleep(CLAIM_COOLDOWN_SECONDS)
 
     async def _sleep(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
-        except asyncio.TimeoutError:
-            pass
+        if not self._wake.is_set():
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
+            except asyncio.TimeoutError:
+                pass
         self._wake.clear()
 
     async def _claim(self, limit: int) -> list[Claimed]:
-        async with self._autocommit.begin() as conn:
+        # What this process held per origin when the claim went out: the statement counted at
+        # most that (requests may end while it runs), so an origin whose held plus claimed
+        # reaches the budget may have had due work left behind.
+        held = {origin: self._dispatch.held(origin) for origin in self._dispatch.origins()}
+        async with self._connection() as conn:
             batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
                                       horizon_seconds=self._settings.retry_horizon_seconds,
-                                      daemon_id=self._daemon_id,
-                                      endpoint_concurrency=self._settings.endpoint_concurrency,
+                                      daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
                                       done_ids=self._unrecorded())
         self._metrics.claim_batch.observe(len(batch))
-        self._capped = len(batch) >= limit
         for message in batch:
-            if not await self._may_send(message):
+            held[message.origin or ""] = held.get(message.origin or "", 0) + 1
+            if await self._may_send(message):
+                self._dispatch.add(message)
+            else:
                 # Another daemon took this endpoint's half-open probe between our claim and
                 # now: hand the message back untouched (no attempt made, none counted).
                 self._submit(Outcome(message, "release", "released"))
-                continue
-            self._per_origin[message.origin or ""] += 1
-            self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))
-        # Outcomes not yet recorded may still hold slots of any origin (the claim counts them):
-        # counting all of them against every origin errs towards claiming again, never stalling.
-        unrecorded = self._backlog()
-        cap = self._settings.endpoint_concurrency
-        self._capped = self._capped or any(n + unrecorded >= cap for n in self._per_origin.values())
+        self._capped = len(batch) >= limit or any(n >= self._budget for n in held.values())
         self._metrics.in_flight.set(self.in_flight)
         return batch
 
@@ -151,35 +172,39 @@ class Claimer:
         """
         if message.breaker_state in (None, CircuitState.CLOSED.value):
             return True
-        async with self._autocommit.begin() as conn:
+        async with self._connection() as conn:
             return await store.acquire_probe(conn, message.tenant_id, message.origin or "",
                                              self._settings.lease_seconds)
 
+    def _begin(self, message: Claimed) -> None:
+        self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))
+
     async def _run_attempt(self, message: Claimed) -> None:
+        outcome = Outcome(message, "retry", "abandoned", error="attempt interrupted at shutdown")
         try:
             outcome = await self._attempt(message)
         except asyncio.CancelledError:
-            outcome = Outcome(message, "retry", "abandoned", error="attempt interrupted at shutdown")
             raise
         except Exception as exc:  # a bug must not lose the message: record and retry it
             self._log.exception("attempt.crashed", message_id=message.id)
             outcome = Outcome(message, "retry", "failed", error=f"internal error: {type(exc).__name__}")
         finally:
             self._tasks.pop(message.id, None)
-            origin = message.origin or ""
-            self._per_origin[origin] -= 1
-            if self._per_origin[origin] <= 0:
-                del self._per_origin[origin]
-            self._metrics.in_flight.set(self.in_flight)
             self._submit(outcome)  # noqa: B012 - recorded even when cancelled
-            self.freed()  # a slot (global and of its origin) is free: look again if that can help
+            # A retryable failure keeps its slot until the breaker has judged it (recorded()).
+            self._dispatch.ended(message, holds_slot=outcome.action == "retry")
+            self._metrics.in_flight.set(self.in_flight)
+            if self._capped and self._dispatch.waiting(message.origin or "") <= self._settings.endpoint_concurrency // 2:
+                self._wake.set()  # its queue runs low and the last claim left work behind: refill
 
     async def _next_due(self) -> tuple[float | None, float]:
-        async with self._autocommit.begin() as conn:
+        async with self._connection() as conn:
             return await store.next_due_at(conn)
 
     async def finish(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for attempts in flight, then interrupt the rest."""
+        """Hand back what waits, wait up to ``grace`` seconds for attempts in flight, then
+        interrupt the rest."""
+        self._dispatch.release_all()
         tasks = list(self._tasks.values())
         if tasks:
             done, pending = await asyncio.wait(tasks, timeout=grace)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager as AsyncContextManager
+from typing import Any
 from dataclasses import dataclass
 
 import structlog
@@ -22,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
 from outbox.config import Settings
-from outbox.store import Completion
+from outbox.store import Claimed, Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
@@ -32,6 +34,7 @@ from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row,
 from supervisor.classify import RetryPolicy
 from supervisor.metrics import Metrics, status_class
 from supervisor.outage import OutageGuard
+from supervisor.pgdirect import DirectConnection
 
 FLUSH_INTERVAL = 0.02
 FLUSH_MAX = 200
@@ -40,6 +43,18 @@ REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, th
 # (time for a claim and a full request), instead of being given up at once.
 LAST_TRY_MARGIN_SECONDS = 60.0
 UNSENT = ("expire", "release")  # claimed but not sent: no attempt made, none counted or logged
+Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
+# Told after each batch: the retryable failures no longer pending here (their request slots
+# free), and the endpoints whose breakers that batch opened.
+Recorded = Callable[[Iterable[Claimed], Iterable[Endpoint]], None]
+
+
+def _locks_rows(o: Outcome) -> bool:
+    """Whether recording ``o`` may write a breaker (a failure, or an endpoint that has a
+    breaker row: :meth:`Completer._update_breakers`) or settle a proof."""
+    m = o.message
+    return ((o.sent and bool(m.origin) and (o.action == "retry" or m.breaker_state is not None))
+            or challenge.is_challenge(m.notification_type))
 
 
 def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
@@ -74,10 +89,13 @@ class Policies:
 
 class Completer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
-                 fanout: SinkFanout, outage: OutageGuard, on_recorded: Callable[[], None] = lambda: None) -> None:
+                 fanout: SinkFanout, outage: OutageGuard, on_recorded: Recorded = lambda failures, tripped: None
+                 ) -> None:
         self._engine = engine
+        self._direct = DirectConnection.of(engine)
         # Recording frees per-origin capacity (the claim counts this daemon's in-flight
-        # rows): tell the claimer, or it would sleep out its poll interval with work due.
+        # rows) and may trip breakers: tell the claimer, or it would sleep out its poll
+        # interval with work due, or send what waits for a tripped endpoint.
         self._on_recorded = on_recorded
         self._settings = settings
         self._policies = Policies.from_settings(settings)
@@ -184,6 +202,7 @@ class Completer:
             return
         m = batch[0].message
         self._unrecorded.discard(m.id)  # left to its lease: the rescuer hands it back
+        self._on_recorded([m] if batch[0].action == "retry" else [], [])
         self._log.error("outcome.unrecorded", message_id=m.id, idempotency_key=m.idempotency_key, attempt=m.attempt,
                         outcome=batch[0].outcome, error=type(refused).__name__,
                         detail=(str(getattr(refused, "orig", None) or refused).splitlines() or [""])[0][:200],
@@ -198,8 +217,19 @@ class Completer:
         except Exception:
             return False
 
+    async def aclose(self) -> None:
+        if self._direct is not None:
+            await self._direct.aclose()
+
+    def _transaction(self, batch: Sequence[Outcome]) -> AsyncContextManager[Any]:
+        """The driver's own connection (PostgreSQL) when the batch has no breaker or proof to
+        write, which is the common case; SQLAlchemy otherwise (supervisor/pgdirect.py)."""
+        if self._direct is not None and not any(_locks_rows(o) for o in batch):
+            return self._direct.transaction()
+        return self._engine.begin()
+
     async def flush(self, batch: Sequence[Outcome]) -> None:
-        async with self._engine.begin() as conn:
+        async with self._transaction(batch) as conn:
             now = await store.db_now(conn)
             plans = [self._plan(outcome, now) for outcome in batch]
             applied = await store.complete(conn, [completion for completion, _ in plans])
@@ -208,7 +238,8 @@ class Completer:
             transitions = await self._update_breakers(conn, batch, applied, now)
             await self._settle_proofs(conn, plans, applied)
         self._unrecorded.difference_update(o.message.id for o in batch)
-        self._on_recorded()
+        self._on_recorded([o.message for o in batch if o.action == "retry"],
+                          [key for key, _, after in transitions if after == "open"])
         self._after_commit(batch, plans, applied, transitions, now)
 
     async def _settle_proofs(self, conn, plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
@@ -255,7 +286,7 @@ class Completer:
         return completion, record
 
     async def _update_breakers(self, conn, batch: Sequence[Outcome], applied: set[int], now: float
-                               ) -> list[tuple[str, str]]:
+                               ) -> list[tuple[Endpoint, str, str]]:
         """Fold this batch's request outcomes into the breakers: O(1) writes per endpoint.
 
         A row is written only when it changes; a trip writes the row and one transition
@@ -282,7 +313,7 @@ class Completer:
                 changed.append(new)
             attempts, failures = window_counts(row, now, self._policies.breaker.window_seconds)
             for before, after in moved:
-                transitions.append((before, after))
+                transitions.append((key, before, after))
                 logged.append({"tenant_id": key[0], "origin": key[1], "from_state": before, "to_state": after,
                                "window_attempts": attempts + len(results), "window_failures":
                                failures + results.count(False), "open_until": new["open_until"],
@@ -294,9 +325,9 @@ class Completer:
         return transitions
 
     def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
-                      applied: set[int], transitions: list[tuple[str, str]], now: float) -> None:
+                      applied: set[int], transitions: list[tuple[Endpoint, str, str]], now: float) -> None:
         metrics = self._metrics
-        for before, after in transitions:
+        for _, before, after in transitions:
             metrics.breaker_transitions.labels(from_state=before, to_state=after).inc()
         for o, (completion, record) in zip(batch, plans):
             m = o.message

@@ -90,7 +90,7 @@ class Daemon:
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
         self.completer = Completer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                    fanout=self.fanout, outage=self.outage,
-                                   on_recorded=lambda: self.claimer.freed())
+                                   on_recorded=lambda failures, tripped: self.claimer.recorded(failures, tripped))
         self.clock = DatabaseClock()
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender,
@@ -201,6 +201,8 @@ class Daemon:
             await self.fanout.close()
             await self.health.close()
             await self.sender.aclose()
+            await self.claimer.aclose()
+            await self.completer.aclose()
             await self.engine.dispose()
         if failure is not None:
             raise failure  # DatabaseUnavailable, or a bug: exit non-zero so the supervisor restarts us

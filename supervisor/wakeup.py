@@ -12,13 +12,9 @@ from collections.abc import Callable
 
 import psycopg
 import structlog
-from sqlalchemy.engine import make_url
 
 from outbox.store import CHANNEL
-
-
-def _libpq_url(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+from supervisor.pgdirect import libpq_url
 
 
 async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL) -> None:
@@ -27,7 +23,7 @@ async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL
     delay = 0.5
     while True:
         try:
-            async with await psycopg.AsyncConnection.connect(_libpq_url(url), autocommit=True) as conn:
+            async with await psycopg.AsyncConnection.connect(libpq_url(url), autocommit=True) as conn:
                 await conn.execute(f"LISTEN {channel}")
                 delay = 0.5
                 on_notify()  # anything committed while we were away is picked up now

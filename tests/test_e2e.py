@@ -119,7 +119,9 @@ def test_sigkill_ten_times_loses_nothing(pg_engine, pg_url, tmp_path, keypair):
     rng = random.Random(7)
     total = 2000
     with procs.receiver(tmp_path, jwks) as (port, log):
-        paths = [rng.choice(["/ok", "/ok", "/ok", "/flaky/1"]) + f"?n={i}" for i in range(total)]
+        # Answers take 30 ms, so the run outlasts ten daemon lives on a fast box too (8 in
+        # flight to the one origin: about 270 deliveries a second per daemon).
+        paths = [rng.choice(["/delay/30", "/delay/30", "/delay/30", "/flaky/1"]) + f"?n={i}" for i in range(total)]
         keys = enqueue_many(pg_engine, f"http://127.0.0.1:{port}", paths, tenants=5)
         # /flaky/1 fails every key once: keep breakers out of this test, it is about kills.
         env = procs.daemon_env(pg_url, key, concurrency=32, breaker_failure_threshold=100000)
