@@ -361,9 +361,12 @@ async def complete(conn: AsyncConnection, completions: Sequence[Completion]) -> 
     return {row.id for row in result}
 
 
+_INSERT_ATTEMPTS = attempts.insert()  # one statement object: supervisor/pgdirect.py caches its rendering
+
+
 async def insert_attempts(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
     if rows:
-        await conn.execute(attempts.insert(), list(rows))
+        await conn.execute(_INSERT_ATTEMPTS, list(rows))
 
 
 async def lock_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Any]:

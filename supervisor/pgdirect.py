@@ -14,11 +14,13 @@ the CLI) stays on SQLAlchemy; SQLite stays on SQLAlchemy altogether.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import psycopg
+from psycopg import AsyncRawCursor
 from psycopg.rows import namedtuple_row
 from sqlalchemy.dialects.postgresql.psycopg import PGDialectAsync_psycopg
 from sqlalchemy.engine import make_url
@@ -28,6 +30,8 @@ from sqlalchemy.sql import ClauseElement
 __all__ = ["DirectConnection", "DirectResult"]
 
 Params = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+_PYFORMAT = re.compile(r"%\((\w+)\)s|%%")  # psycopg's named placeholders, and the escaped %
+_CACHE_SIZE = 64
 
 
 class DirectResult:
@@ -68,7 +72,7 @@ class DirectConnection:
     def __init__(self, url: str) -> None:
         self._url = libpq_url(url)
         self._conn: psycopg.AsyncConnection[Any] | None = None
-        self._sql: dict[tuple[int, tuple[str, ...]], tuple[ClauseElement, str]] = {}
+        self._sql: dict[tuple[int, tuple[str, ...]], tuple[ClauseElement, str, tuple[str, ...]]] = {}
 
     @classmethod
     def of(cls, engine: AsyncEngine) -> "DirectConnection | None":
@@ -78,16 +82,19 @@ class DirectConnection:
         return cls(engine.url.render_as_string(hide_password=False))
 
     async def execute(self, statement: ClauseElement, params: Params = None) -> DirectResult:
-        """Run ``statement`` (a ``text()`` or an ``insert()`` of :mod:`outbox.schema`) with
-        ``params``, or once per mapping of a list of them (no rows returned then)."""
+        """Run ``statement`` (a ``text()`` or an ``insert()`` of :mod:`outbox.schema`, kept for
+        reuse: its rendering is cached by identity) with ``params``, or once per mapping of a
+        list of them (no rows returned then)."""
         conn = await self._connection()
         try:
-            async with conn.cursor(row_factory=namedtuple_row) as cursor:
+            async with AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
                 if isinstance(params, Sequence):
                     if params:
-                        await cursor.executemany(self._compiled(statement, params[0]), params)
+                        sql, names = self._compiled(statement, params[0])
+                        await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
                     return DirectResult([], cursor.rowcount)
-                await cursor.execute(self._compiled(statement, params), params)
+                sql, names = self._compiled(statement, params)
+                await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
                 rows = await cursor.fetchall() if cursor.description is not None else []
                 return DirectResult(rows, cursor.rowcount)
         except BaseException:
@@ -117,16 +124,29 @@ class DirectConnection:
             self._conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
         return self._conn
 
-    def _compiled(self, statement: ClauseElement, params: Mapping[str, Any] | None) -> str:
-        """SQLAlchemy's rendering of ``statement`` for psycopg (``%(name)s`` parameters), once.
+    def _compiled(self, statement: ClauseElement, params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:
+        """SQLAlchemy's rendering of ``statement`` with ``$n`` placeholders, and the parameter
+        name of each ``$n``: rendered once, and never parsed again by the driver (psycopg
+        re-parses ``%(name)s`` queries longer than 4 KiB, the claim among them, on every run).
 
         An INSERT is rendered for the columns the rows carry, as SQLAlchemy would.
         """
         keys = tuple(sorted(params)) if params else ()
         known = self._sql.get((id(statement), keys))
         if known is not None and known[0] is statement:
-            return known[1]
-        compiled = statement.compile(dialect=self.dialect, column_keys=list(keys) if keys else None)
-        sql = str(compiled)
-        self._sql[(id(statement), keys)] = (statement, sql)  # holding the statement keeps its id unique
-        return sql
+            return known[1], known[2]
+        rendered = str(statement.compile(dialect=self.dialect, column_keys=list(keys) if keys else None))
+        names: list[str] = []
+
+        def placeholder(match: re.Match[str]) -> str:
+            if match.group(1) is None:
+                return "%"  # an escaped literal percent sign
+            if match.group(1) not in names:
+                names.append(match.group(1))
+            return f"${names.index(match.group(1)) + 1}"
+
+        sql = _PYFORMAT.sub(placeholder, rendered)
+        if len(self._sql) >= _CACHE_SIZE:  # only ever a handful of statements; never grow without bound
+            self._sql.clear()
+        self._sql[(id(statement), keys)] = (statement, sql, tuple(names))  # the statement held: its id stays unique
+        return sql, tuple(names)

@@ -1,0 +1,87 @@
+"""supervisor.pgdirect: the hot statements on the driver's own connection read and write
+exactly what they do through SQLAlchemy, and the connection comes back after it is lost."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from sqlalchemy import select, text
+
+from outbox import store
+from outbox.db import make_async_engine
+from outbox.schema import attempts, messages
+from outbox.store import Completion
+from supervisor.pgdirect import DirectConnection
+from tests.test_db_faults import enqueue_batch, message_key
+
+CLAIM = dict(limit=50, lease_seconds=30.0, horizon_seconds=86_400, endpoint_concurrency=16)
+
+
+def _same(claimed: list[store.Claimed]) -> list[store.Claimed]:
+    """Claimed rows without what differs between two claims by design (token, clock)."""
+    return [dataclasses.replace(c, lease_token="", claimed_at=0.0, retry_until=0.0) for c in claimed]
+
+
+async def test_claim_complete_and_attempt_rows_match_sqlalchemy(pg_engine, pg_url) -> None:
+    rows = [(f"t{i % 3}", f"https://buyer-{i % 2}.example/hook?x={i}", message_key("direct", i)) for i in range(12)]
+    enqueue_batch(pg_engine, rows)
+    engine = make_async_engine(pg_url)
+    direct = DirectConnection.of(engine)
+    assert direct is not None
+    try:
+        async with engine.begin() as conn:
+            via_sqlalchemy = await store.claim(conn, daemon_id="a", **CLAIM)
+        with pg_engine.begin() as conn:  # hand them back untouched, to claim them again
+            conn.execute(text("UPDATE outbox_messages SET state = 'pending', attempts = 0, leased_by = NULL,"
+                              " lease_token = NULL, lease_expires_at = NULL"))
+        via_driver = await direct.execute(text("SELECT 1 AS one"))  # a first statement opens the connection
+        assert via_driver.scalar_one() == 1
+        claimed = await store.claim(direct, daemon_id="a", **CLAIM)
+        assert _same(claimed) == _same(via_sqlalchemy) and len(claimed) == 12
+
+        async with direct.transaction() as conn:
+            now = await store.db_now(conn)
+            applied = await store.complete(conn, [Completion(c.id, c.lease_token, "delivered") for c in claimed])
+            await store.insert_attempts(conn, [{"message_id": c.id, "tenant_id": c.tenant_id, "url": c.url,
+                                                "attempt_number": 1, "outcome": "success", "http_status": 200,
+                                                "error": None, "response_time_ms": 3, "will_retry": False,
+                                                "next_retry_at": None, "payload_size": len(c.body),
+                                                "sequence_number": None, "idempotency_key": c.idempotency_key,
+                                                "notification_type": None, "trigger": "scheduled",
+                                                "daemon_id": "a", "occurred_at": now} for c in claimed])
+        assert applied == {c.id for c in claimed}
+        with pg_engine.connect() as conn:
+            assert set(conn.execute(select(messages.c.state)).scalars()) == {"delivered"}
+            assert conn.execute(select(attempts.c.message_id).order_by(attempts.c.message_id)).scalars().all() == \
+                sorted(c.id for c in claimed)
+    finally:
+        await direct.aclose()
+        await engine.dispose()
+
+
+async def test_a_failed_transaction_writes_nothing_and_a_lost_connection_is_reopened(pg_engine, pg_url) -> None:
+    enqueue_batch(pg_engine, [("t", "https://buyer.example/hook", message_key("lost", 0))])
+    engine = make_async_engine(pg_url)
+    direct = DirectConnection.of(engine)
+    assert direct is not None
+    try:
+        claimed = await store.claim(direct, daemon_id="a", **CLAIM)
+        with pytest.raises(RuntimeError):
+            async with direct.transaction() as conn:
+                await store.complete(conn, [Completion(claimed[0].id, claimed[0].lease_token, "delivered")])
+                raise RuntimeError("the flush fails half-way")
+        pid = (await direct.execute(text("SELECT pg_backend_pid() AS pid"))).scalar_one()
+        with pg_engine.connect() as conn:
+            assert conn.execute(select(messages.c.state)).scalar_one() == "in_flight", "rolled back"
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(Exception):
+            await direct.execute(text("SELECT 1 AS one"))  # the statement that finds it gone fails
+        assert (await direct.execute(text("SELECT pg_backend_pid() AS pid"))).scalar_one() != pid
+    finally:
+        await direct.aclose()
+        await engine.dispose()
+
+
+def test_sqlite_keeps_sqlalchemy(sqlite_url) -> None:
+    assert DirectConnection.of(make_async_engine(sqlite_url)) is None
