@@ -91,15 +91,21 @@ def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
 
 
 def _claim_limit(bench: Bench) -> int:
-    return min(bench.settings.concurrency, bench.settings.claim_batch)
+    """The daemon's first claim's limit: its whole lease budget is free, within a batch."""
+    from supervisor.claimer import LEASE_ROUNDS
+
+    return min(LEASE_ROUNDS * bench.settings.concurrency, bench.settings.claim_batch)
 
 
 def _claim_params(bench: Bench) -> dict[str, Any]:
     """What the daemon binds (outbox/store.py, ``claim``) with the configured settings: the
-    per-origin cap ``OUTBOX_ENDPOINT_CONCURRENCY`` and no in-flight request already over."""
+    per-origin lease budget (``LEASE_ROUNDS`` rounds of ``OUTBOX_ENDPOINT_CONCURRENCY``,
+    supervisor/claimer.py) and no in-flight request already over."""
+    from supervisor.claimer import LEASE_ROUNDS
+
     return {"limit": _claim_limit(bench), "lease": bench.settings.lease_seconds,
             "horizon": bench.settings.retry_horizon_seconds, "daemon": "bench", "token": uuid.uuid4().hex,
-            "cap": bench.settings.endpoint_concurrency, "done": "[]"}
+            "cap": LEASE_ROUNDS * bench.settings.endpoint_concurrency, "done": "[]"}
 
 
 def _explain(bench: Bench, name: str, params: dict[str, Any]) -> tuple[float, float, list[str]]:
