@@ -8,7 +8,6 @@ rotation never stops delivery: see docs/encryption.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 

@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from outbox import protocol
 from outbox.config import Settings
-from outbox.errors import ConfigurationError, OutboxValidationError
+from outbox.errors import OutboxValidationError
 from outbox.identity import store_bound
 from outbox.producer import (
     Conn,

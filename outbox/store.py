@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Text, bindparam, text, tuple_
+from sqlalchemy import bindparam, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breaker_transitions, breakers
@@ -164,7 +164,6 @@ class _Statements:
 
     def __init__(self, pg: bool) -> None:
         now = PG_NOW if pg else SQLITE_NOW
-        lock = "FOR UPDATE OF m SKIP LOCKED" if pg else ""
         lock_plain = "FOR UPDATE SKIP LOCKED" if pg else ""
         self.now = text(f"SELECT {now}")
         # The size of what is sent, not of what is stored (a sealed body carries a fixed overhead).

@@ -18,7 +18,7 @@ a fixed pause, so a message committed alone is claimed as soon as its NOTIFY arr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager, nullcontext
 from typing import Any
 
@@ -84,13 +84,17 @@ class Claimer:
         """New work may be due now (a NOTIFY)."""
         self._wake.set()
 
-    def recorded(self, failures: Iterable[Claimed], tripped: Iterable[tuple[str, str]]) -> None:
+    def recorded(self, failures: Sequence[Claimed], tripped: Sequence[tuple[str, str]]) -> None:
         """The completer recorded a batch: ``tripped`` endpoints' breakers opened (what waits
-        for them goes back unsent), and ``failures`` (retryable) free their slots."""
+        for them goes back unsent), and ``failures`` (retryable) free their slots.
+
+        Only those change what the claim may take: a success's lease stopped counting for its
+        origin when its request ended (``unrecorded``), so recording it frees nothing new.
+        """
         self._dispatch.tripped(tripped)
         self._dispatch.settled(failures)
         self._metrics.in_flight.set(self.in_flight)
-        if self._capped:
+        if self._capped and (failures or tripped):
             self._wake.set()
 
     def _connection(self) -> AsyncContextManager[Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from typing import Any
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ UNSENT = ("expire", "release")  # claimed but not sent: no attempt made, none co
 Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
 # Told after each batch: the retryable failures no longer pending here (their request slots
 # free), and the endpoints whose breakers that batch opened.
-Recorded = Callable[[Iterable[Claimed], Iterable[Endpoint]], None]
+Recorded = Callable[[Sequence[Claimed], Sequence[Endpoint]], None]
 
 
 def _locks_rows(o: Outcome) -> bool:

@@ -60,6 +60,13 @@ CLOSED_EARLY = TransportFailure("connection_error",
                                 "RemoteProtocolError: connection closed before the response was complete")
 READ_TIMEOUT = TransportFailure("timeout", "ReadTimeout: no response data within the read timeout")
 CONNECT_TIMEOUT = TransportFailure("timeout", "ConnectTimeout: connect timed out")
+TOO_LARGE = TransportFailure("protocol_error", "RemoteProtocolError: response head or framing too large")
+# What a response may cost in memory besides its capped body. The parser buffers a header
+# until it ends, so the bytes before the final response's body are counted as they arrive
+# (h11, under httpx, allows 16 KiB); and a body framed wastefully (tiny chunks, endless
+# trailers) may not make the whole exchange exceed a bound either.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_EXCHANGE_BYTES = 1024 * 1024
 
 
 def _hint(exc: BaseException | None, fallback: str) -> str:
@@ -125,6 +132,7 @@ class Http1Connection(asyncio.Protocol):
         self._framed = False  # its body has a length (or chunks): EOF mid-body is an error
         self._read_timeout = 0.0
         self._last_data = 0.0
+        self._received = 0  # bytes of the current exchange
         self._timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -139,10 +147,15 @@ class Http1Connection(asyncio.Protocol):
             self.abort()
             return
         self._last_data = self._loop.time()
+        self._received += len(data)
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # a 101 is no webhook answer either
             self._fail(NOT_HTTP)
+            return
+        if self._waiter is not None and not self._waiter.done() and (
+                self._received > MAX_EXCHANGE_BYTES or (not self._final and self._received > MAX_HEAD_BYTES)):
+            self._fail(TOO_LARGE)
 
     def eof_received(self) -> bool:
         return False  # a half-closed connection is of no use: close it (connection_lost follows)
@@ -210,7 +223,7 @@ class Http1Connection(asyncio.Protocol):
             raise CLOSED_EARLY
         waiter: asyncio.Future[Response] = self._loop.create_future()
         self._waiter = waiter
-        self._body, self._size, self._final, self._status = [], 0, False, 0
+        self._body, self._size, self._final, self._status, self._received = [], 0, False, 0, 0
         self._read_timeout = read_timeout
         self._last_data = self._loop.time()
         self._timer = self._loop.call_later(read_timeout, self._check_silence)

@@ -242,3 +242,16 @@ async def test_only_a_canonical_target_is_sent(peers, senders, tail: str) -> Non
     peer = await peers()
     result = await senders().post(f"http://127.0.0.1:{peer.port}{tail}", BODY, HEADERS)
     assert result.error_kind in ("invalid", "blocked") and peer.requests == []
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.1 200 OK\r\nX-Endless: " + b"a" * 70_000,  # a header that never ends
+    b"HTTP/1.1 100 Continue\r\n\r\n" * 5_000,  # interim answers without end
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + (b"1;ext=" + b"e" * 2_000 + b"\r\nx\r\n") * 1_000,  # 2 KB of chunk extension per body byte
+], ids=["endless-header", "endless-interim", "wasteful-chunks"])
+def test_a_response_cannot_make_the_daemon_buffer_without_bound(raw: bytes) -> None:
+    """llhttp buffers a header until it ends: the head may take 64 KiB, the exchange 1 MiB."""
+    got = asyncio.run(exchange(split(raw, list(range(4096, len(raw), 4096))), eof=False))
+    assert isinstance(got, TransportFailure), got
+    assert got.error == "RemoteProtocolError: response head or framing too large"
