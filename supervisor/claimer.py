@@ -6,8 +6,8 @@ hanging endpoint holds at most its own share, never makes other tenants' message
 behind it. The budget is two rounds of ``OUTBOX_ENDPOINT_CONCURRENCY``: one of requests,
 one waiting its turn in :class:`supervisor.dispatch.Dispatcher`, which starts the next
 message the moment a request ends. This module holds the global cap (``OUTBOX_CONCURRENCY``
-requests, and about twice that in leases, outcomes still waiting for the completer
-included) and takes the half-open probe.
+requests, twice that with the messages waiting, and three times that in leases when the
+completer falls behind) and takes the half-open probe.
 
 A claim runs on new work (a NOTIFY), on the poll, at the earliest retry's time, at once
 after a full batch, and when a request ends while the last claim left due work behind
@@ -110,10 +110,13 @@ class Claimer:
 
     async def run(self) -> None:
         while not self._stopping:
-            # Every lease counts: requests open, messages waiting their turn, and outcomes the
-            # completer has not recorded yet, within two rounds of the concurrency.
-            free = (LEASE_ROUNDS * self._settings.concurrency - self.in_flight - self._dispatch.queued
-                    - self._backlog())
+            # Every lease counts: requests open and messages waiting their turn, within two
+            # rounds of the concurrency, and outcomes the completer has not recorded yet past
+            # one round (one flush's worth is normal; more means it is behind): at most three
+            # rounds of leases in all, whatever the completer does.
+            concurrency = self._settings.concurrency
+            free = (LEASE_ROUNDS * concurrency - self.in_flight - self._dispatch.queued
+                    - max(self._backlog() - concurrency, 0))
             if free <= 0:  # full, or the completer is behind: look again when a slot frees
                 await self._sleep(BACKLOG_RECHECK_SECONDS)
                 continue

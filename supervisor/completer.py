@@ -1,12 +1,13 @@
 """Records outcomes in batches: message state, attempt rows and breakers in one transaction.
 
-Outcomes queue up while requests run; one flush per ~20 ms (or per 200 outcomes) writes
-them all, so the database cost per delivery stays small (docs/architecture.md,
-"Batched completion and hot rows"), and each breaker row is touched at most once per flush. A flush that
-fails because the database is away is retried with the same outcomes: the lease token makes
-the retry apply nothing twice, and attempt rows are written only for messages whose lease
-was still ours. A flush the database refuses while up is split until the refused outcome is
-alone, so one unrecordable outcome never holds back the others.
+Outcomes queue up while requests run; one flush per ~20 ms (or per round of the
+concurrency, at most 200 outcomes) writes them all, so the database cost per delivery stays
+small (docs/architecture.md, "Batched completion and hot rows"), and each breaker row is
+touched at most once per flush. A flush that fails because the database is away is retried
+with the same outcomes: the lease token makes the retry apply nothing twice, and attempt
+rows are written only for messages whose lease was still ours. A flush the database refuses
+while up is split until the refused outcome is alone, so one unrecordable outcome never
+holds back the others.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from supervisor.outage import OutageGuard
 from supervisor.pgdirect import DirectConnection
 
 FLUSH_INTERVAL = 0.02
-FLUSH_MAX = 200
+FLUSH_MAX = 200  # outcomes per flush at most; a flush starts early at one round of the concurrency
 REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, then left to its lease
 # A retry whose back-off would pass the horizon gets one last attempt this long before it
 # (time for a claim and a full request), instead of being given up at once.
@@ -110,6 +111,9 @@ class Completer:
         self._recording = 0  # outcomes in the flush under way
         self._unrecorded: set[int] = set()
         self._flushing = asyncio.Lock()
+        # Unrecorded outcomes hold leases the claimer counts against its budget: a round of
+        # them is worth a flush at once rather than at the end of the interval.
+        self._flush_max = min(FLUSH_MAX, settings.concurrency)
         self._log = structlog.get_logger("outboxd.completer")
 
     def submit(self, outcome: Outcome) -> None:
@@ -140,7 +144,7 @@ class Completer:
             self._taken.append(await self._queue.get())
             async with self._flushing:
                 deadline = time.monotonic() + FLUSH_INTERVAL
-                while self._taken and len(self._taken) < FLUSH_MAX:
+                while self._taken and len(self._taken) < self._flush_max:
                     timeout = deadline - time.monotonic()
                     if timeout <= 0:
                         break
