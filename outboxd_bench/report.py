@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from outboxd_bench.scale import DUE_INDEX
+from outboxd_bench.scale import DUE_INDEX, SCALE_REPEATS
 
 NOISY_SHARE = 0.15  # above this share of the box taken by others, a phase's figures are flagged
 # throughput case -> label; each is compared with the best bare-loop run
@@ -171,7 +171,7 @@ def render_table(report: dict[str, Any]) -> str:
     scale = ph.get("scale")
     if scale is not None:
         lines.append(f"SCALE: claim statement (outbox/store.py), LIMIT {scale['empty']['limit']}, "
-                     f"{scale['empty']['due_rows']} due rows, median")
+                     f"{scale['empty']['due_rows']} due rows, fastest of {SCALE_REPEATS}")
         lines.append(f"  {'':26}{'exec ms':>9}{'plan ms':>9}{'client ms':>11}{'buffers':>9}{'table MB':>10}"
                      f"{'gauges ms':>10}  due_idx")
         for label, key in (("empty history", "empty"), (f"{o['scale_rows']:,} delivered", "scaled")):

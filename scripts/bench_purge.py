@@ -106,7 +106,7 @@ def main() -> None:
             began = time.perf_counter()
             deleted = conn.execute(f'DELETE FROM "{sample}"').rowcount
             one_day = time.perf_counter() - began
-        print(f"row by row: DELETE of one day's {deleted:,} rows took {one_day:.1f} s "
+        print(f"row by row: DELETE of one day's {deleted:,} rows took {one_day:.2f} s "
               f"(x {args.days} days: about {one_day * args.days:.0f} s, before vacuuming the dead rows)")
 
         stop, latencies = threading.Event(), []

@@ -72,6 +72,7 @@ class Claimer:
         # due was all taken, and only new work (a NOTIFY), the poll or a retry's time brings
         # more: a request ending is no reason to run the claim again.
         self._capped = True
+        self._starved = False  # out of lease budget: a request ending or a flush may give some back
         self._wake = asyncio.Event()
         self._stopping = False
         self._log = structlog.get_logger("outboxd.claimer")
@@ -88,13 +89,14 @@ class Claimer:
         """The completer recorded a batch: ``tripped`` endpoints' breakers opened (what waits
         for them goes back unsent), and ``failures`` (retryable) free their slots.
 
-        Only those change what the claim may take: a success's lease stopped counting for its
-        origin when its request ended (``unrecorded``), so recording it frees nothing new.
+        Only those change what the claim may take for an origin: a success's lease stopped
+        counting there when its request ended (``unrecorded``). Recording does shrink the
+        backlog, which is what a claimer out of lease budget waits for (``_starved``).
         """
         self._dispatch.tripped(tripped)
         self._dispatch.settled(failures)
         self._metrics.in_flight.set(self.in_flight)
-        if self._capped and (failures or tripped):
+        if self._starved or (self._capped and (failures or tripped)):
             self._wake.set()
 
     def _connection(self) -> AsyncContextManager[Any]:
@@ -117,7 +119,8 @@ class Claimer:
             concurrency = self._settings.concurrency
             free = (LEASE_ROUNDS * concurrency - self.in_flight - self._dispatch.queued
                     - max(self._backlog() - concurrency, 0))
-            if free <= 0:  # full, or the completer is behind: look again when a slot frees
+            self._starved = free <= 0
+            if self._starved:  # full, or the completer is behind: look again when either moves
                 await self._sleep(BACKLOG_RECHECK_SECONDS)
                 continue
             limit = min(free, self._settings.claim_batch)
@@ -201,8 +204,9 @@ class Claimer:
             # A retryable failure keeps its slot until the breaker has judged it (recorded()).
             self._dispatch.ended(message, holds_slot=outcome.action == "retry")
             self._metrics.in_flight.set(self.in_flight)
-            if self._capped and self._dispatch.waiting(message.origin or "") <= self._settings.endpoint_concurrency // 2:
-                self._wake.set()  # its queue runs low and the last claim left work behind: refill
+            low = self._dispatch.waiting(message.origin or "") <= self._settings.endpoint_concurrency // 2
+            if self._starved or (self._capped and low):
+                self._wake.set()  # budget came back, or its queue runs low with work left behind: refill
 
     async def _next_due(self) -> tuple[float | None, float]:
         async with self._connection() as conn:
