@@ -27,12 +27,9 @@ from sqlalchemy.engine import make_url
 from outbox.db import make_async_engine, make_engine
 from outbox.migrate import upgrade
 from outbox.partitions import DAY, drop_attempt_partitions
+from supervisor.pgdirect import libpq_url
 
 RETENTION_DAYS = 30
-
-
-def _dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def fill(dsn: str, rows: int, days: int) -> float:
@@ -85,14 +82,14 @@ def main() -> None:
                                                            "postgresql://postgres@127.0.0.1:5432/postgres"))
     args = parser.parse_args()
     name = f"outboxd_purge_{uuid.uuid4().hex[:8]}"
-    server = _dsn(args.server)
+    server = libpq_url(args.server)
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     url = make_url(args.server).set(drivername="postgresql+psycopg", database=name).render_as_string(
         hide_password=False)
     try:
         upgrade(make_engine(url))
-        dsn = _dsn(url)
+        dsn = libpq_url(url)
         filled = fill(dsn, args.rows, args.days)
         with psycopg.connect(dsn) as conn:
             size = conn.execute("SELECT sum(pg_total_relation_size(inhrelid)) FROM pg_inherits "

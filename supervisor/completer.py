@@ -17,8 +17,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -50,12 +50,18 @@ Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
 Recorded = Callable[[Sequence[Claimed], Sequence[Endpoint]], None]
 
 
-def _locks_rows(o: Outcome) -> bool:
-    """Whether recording ``o`` may write a breaker (a failure, or an endpoint that has a
-    breaker row: :meth:`Completer._update_breakers`) or settle a proof."""
+def _judges_breaker(o: Outcome) -> bool:
+    """Whether ``o`` makes its endpoint's breaker row worth locking: a retryable failure, or
+    any answer from an endpoint that has a row. An endpoint with no row that only succeeded
+    needs none, which keeps the common flush to its message and attempt rows."""
     m = o.message
-    return ((o.sent and bool(m.origin) and (o.action == "retry" or m.breaker_state is not None))
-            or challenge.is_challenge(m.notification_type))
+    return o.sent and bool(m.origin) and (o.action == "retry" or m.breaker_state is not None)
+
+
+def _locks_rows(o: Outcome) -> bool:
+    """Whether recording ``o`` may write a breaker (:meth:`Completer._update_breakers`) or
+    settle a proof: such a batch is recorded through SQLAlchemy."""
+    return _judges_breaker(o) or challenge.is_challenge(o.message.notification_type)
 
 
 def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
@@ -296,17 +302,16 @@ class Completer:
         A row is written only when it changes; a trip writes the row and one transition
         row, nothing per message (the claim passes over an open endpoint).
         """
+        recorded = [o for o in batch if o.sent and o.message.id in applied and o.message.origin]
+        judged = {(o.message.tenant_id, o.message.origin) for o in recorded if _judges_breaker(o)}
+        if not judged:
+            return []
         per_key: dict[tuple[str, str], list[bool]] = defaultdict(list)
-        for o in batch:
-            if o.sent and o.message.id in applied and o.message.origin:
+        for o in recorded:
+            if (o.message.tenant_id, o.message.origin) in judged:
                 # Any definitive answer shows the endpoint alive; only retryable failures count against it.
                 per_key[(o.message.tenant_id, o.message.origin)].append(o.action != "retry")
-        # The hot path: an endpoint that had no breaker row at claim time and only succeeded
-        # needs no row and no lock (one fewer statement per flush when all is well).
         had_row = {(o.message.tenant_id, o.message.origin) for o in batch if o.message.breaker_state is not None}
-        per_key = {k: v for k, v in per_key.items() if k in had_row or not all(v)}
-        if not per_key:
-            return []
         await store.ensure_breakers(conn, [k for k in per_key if k not in had_row])
         rows = await store.lock_breakers(conn, per_key)
         changed, transitions, logged = [], [], []

@@ -31,6 +31,7 @@ Why this is not just ``httpx.AsyncClient().post(url)``:
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import os
 import socket
@@ -105,7 +106,7 @@ class _Target:
     port: int
     authority: str  # the Host header
     path: str  # the request target: path and query, as signed
-    tls: bool
+    scheme: str
     canonical: bool  # the URL given is its canonical form (else it cannot be what was signed)
 
 
@@ -132,6 +133,23 @@ class _Origin:
             connection.close()
         self.opened -= len(self.idle)
         self.idle.clear()
+
+
+@functools.lru_cache(maxsize=4096)  # pure: the same buyer URLs come back on every attempt
+def _target(url: str) -> _Target:
+    """``url``'s wire parts, from its canonical form; refuses a URL that has none, or no host."""
+    try:
+        canonical = canonicalize_url(url)
+        parts = urlsplit(canonical)
+        port = parts.port
+    except (OutboxValidationError, ValueError):
+        raise _Refused("blocked", "destination URL is not valid") from None
+    scheme, host = parts.scheme, parts.hostname or ""
+    if not host:
+        raise _Refused("blocked", "destination URL is not valid")
+    prefix = f"{scheme}://{parts.netloc}"
+    return _Target(origin(canonical), host, port or (443 if scheme == "https" else 80), parts.netloc,
+                   canonical[len(prefix):], scheme, canonical == url)
 
 
 def _ssl_context(settings: Settings, verify: ssl.SSLContext | str | None) -> ssl.SSLContext:
@@ -173,7 +191,6 @@ class HttpSender:
         self._max_origins = max_origins
         self._ssl = _ssl_context(settings, verify)
         self._origins: OrderedDict[str, _Origin] = OrderedDict()
-        self._targets: dict[str, _Target] = {}  # canonical URL -> its split (bounded, see _target)
         self._closed = False
         # The lease invariant in Settings is "lease > connect + read": hold every attempt to it.
         self._deadline = settings.connect_timeout_seconds + settings.read_timeout_seconds
@@ -191,7 +208,9 @@ class HttpSender:
         reusable = False
         try:
             async with asyncio.timeout(self._deadline):
-                target = self._target(url)
+                target = _target(url)
+                if target.scheme != "https" and not (target.scheme == "http" and self._settings.allow_http):
+                    raise _Refused("blocked", "destination scheme is not allowed (https required)")
                 data = encode_request(target.path, target.authority, headers, body, _DEFAULT_HEADERS)
                 entry = await self._acquire(target)  # SSRF vetting first: a blocked address says so
                 if not target.canonical:
@@ -226,30 +245,6 @@ class HttpSender:
         await asyncio.sleep(0)  # let the transports run their close callbacks
 
     # ------------------------------------------------------------------ the destination
-
-    def _target(self, url: str) -> _Target:
-        """The canonical URL's wire parts; refuses an invalid URL or a disallowed scheme."""
-        known = self._targets.get(url)
-        if known is not None:
-            return known
-        try:
-            canonical = canonicalize_url(url)
-            parts = urlsplit(canonical)
-            port = parts.port
-        except (OutboxValidationError, ValueError):
-            raise _Refused("blocked", "destination URL is not valid") from None
-        scheme, host = parts.scheme, parts.hostname or ""
-        if scheme != "https" and not (scheme == "http" and self._settings.allow_http):
-            raise _Refused("blocked", "destination scheme is not allowed (https required)")
-        if not host:
-            raise _Refused("blocked", "destination URL is not valid")
-        prefix = f"{scheme}://{parts.netloc}"
-        target = _Target(origin(canonical), host, port or (443 if scheme == "https" else 80), parts.netloc,
-                         canonical[len(prefix):], scheme == "https", canonical == url)
-        if len(self._targets) >= 4 * self._max_origins:  # bounded: URLs are per buyer, not per message
-            self._targets.clear()
-        self._targets[url] = target
-        return target
 
     async def _acquire(self, target: _Target) -> _Origin:
         """The origin's entry, counted as in use, with a pin younger than the TTL.
@@ -341,20 +336,19 @@ class HttpSender:
         try:
             async with asyncio.timeout(self._settings.connect_timeout_seconds):
                 handed = await waiter
-        except TimeoutError:
-            raise POOL_TIMEOUT from None
-        except BaseException:
-            if waiter.done() and not waiter.cancelled():  # handed over just as we gave up: give it back
+        except BaseException as exc:  # timed out or cancelled, possibly just as one was handed over
+            if waiter in entry.waiters:
+                entry.waiters.remove(waiter)
+            elif waiter.done() and not waiter.cancelled():  # handed over: give it back, never leak it
                 handed = waiter.result()
                 if handed is None:
                     entry.opened -= 1
                     self._wake(entry)
                 else:
                     self._checkin(entry, handed, True)
+            if isinstance(exc, TimeoutError):
+                raise POOL_TIMEOUT from None
             raise
-        finally:
-            if waiter in entry.waiters:
-                entry.waiters.remove(waiter)
         return handed if handed is not None else await self._open(entry)
 
     async def _open(self, entry: _Origin) -> Http1Connection:
@@ -365,7 +359,7 @@ class HttpSender:
             failure: TransportFailure | None = None
             for address in entry.addresses:
                 try:
-                    return await connect(address, target.port, ssl_context=self._ssl if target.tls else None,
+                    return await connect(address, target.port, ssl_context=self._ssl if target.scheme == "https" else None,
                                          server_hostname=target.host, timeout=self._settings.connect_timeout_seconds,
                                          body_cap=RESPONSE_BODY_CAP)
                 except TransportFailure as exc:

@@ -578,3 +578,23 @@ async def test_closed_sender_refuses(senders) -> None:
     await sender.aclose()
     with pytest.raises(RuntimeError):
         await sender.post("https://buyer.test/", BODY, HEADERS)
+
+
+async def test_a_connection_handed_to_a_waiter_that_gave_up_goes_back_to_the_pool(senders) -> None:
+    """The pool's hand-over race: a waiter that gives up (cancelled, or its pool timeout: one
+    handler serves both) in the same loop turn as a connection was handed to it must not take
+    that connection, or its slot, with it."""
+    from supervisor.http1 import Http1Connection
+    from supervisor.transport import _Origin, _target
+
+    sender = senders(settings(endpoint_concurrency=1))
+    entry = _Origin(_target("http://127.0.0.1:1/"), opened=1)  # its one connection is in use
+    waiting = asyncio.ensure_future(sender._checkout(entry))
+    await asyncio.sleep(0)
+    assert len(entry.waiters) == 1
+    connection = Http1Connection(asyncio.get_running_loop(), RESPONSE_BODY_CAP)
+    sender._checkin(entry, connection, True)  # handed over ...
+    waiting.cancel()  # ... and the waiter gives up before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert entry.idle == [connection] and entry.opened == 1 and not entry.waiters
