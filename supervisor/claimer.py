@@ -66,7 +66,7 @@ class Claimer:
             concurrency=settings.concurrency, endpoint_concurrency=settings.endpoint_concurrency,
             lease_seconds=settings.lease_seconds,
             attempt_seconds=settings.connect_timeout_seconds + settings.read_timeout_seconds,
-            start=self._begin, release=lambda m: self._submit(Outcome(m, "release", "released")))
+            start=self._begin, release=self._release)
         # Whether the last claim may have left due work behind (a full batch, or an origin at
         # its budget): only then can a freed slot make anything claimable. Otherwise what is
         # due was all taken, and only new work (a NOTIFY), the poll or a retry's time brings
@@ -166,10 +166,8 @@ class Claimer:
             held[message.origin or ""] = held.get(message.origin or "", 0) + 1
             if await self._may_send(message):
                 self._dispatch.add(message)
-            else:
-                # Another daemon took this endpoint's half-open probe between our claim and
-                # now: hand the message back untouched (no attempt made, none counted).
-                self._submit(Outcome(message, "release", "released"))
+            else:  # another daemon took this endpoint's half-open probe between our claim and now
+                self._release(message)
         self._capped = len(batch) >= limit or any(n >= self._budget for n in held.values())
         self._metrics.in_flight.set(self.in_flight)
         return batch
@@ -185,6 +183,10 @@ class Claimer:
         async with self._connection() as conn:
             return await store.acquire_probe(conn, message.tenant_id, message.origin or "",
                                              self._settings.lease_seconds)
+
+    def _release(self, message: Claimed) -> None:
+        """Hand a leased message back untouched: no attempt made, none counted, due at once."""
+        self._submit(Outcome(message, "release", "released"))
 
     def _begin(self, message: Claimed) -> None:
         self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))

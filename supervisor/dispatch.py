@@ -86,21 +86,19 @@ class Dispatcher:
             origin = message.origin or ""
             self._free(origin)
             origins.add(origin)
-        for origin in origins:
-            self._refill(origin)
+        for origin in origins:  # only an origin slot freed (no request ended): only its queue can move
+            self._fill(origin)
 
     def tripped(self, endpoints: Iterable[tuple[str, str]]) -> None:
         """These endpoints' breakers opened: hand back what waits for them, unsent."""
         for tenant, origin in set(endpoints):
-            queue = self._waiting.get(origin)
-            if not queue:
-                continue
-            keep = deque(item for item in queue if item[1].tenant_id != tenant)
-            for _, message in queue:
-                if message.tenant_id == tenant:
+            queue = self._waiting.pop(origin, deque())
+            for item in queue:
+                if item[1].tenant_id == tenant:
                     self.queued -= 1
-                    self._release(message)
-            self._set_queue(origin, keep)
+                    self._release(item[1])
+                else:
+                    self._waiting.setdefault(origin, deque()).append(item)
 
     def release_all(self) -> None:
         """Hand back every waiting message (shutdown)."""
@@ -118,7 +116,8 @@ class Dispatcher:
             del self._slots[origin]
 
     def _refill(self, origin: str) -> None:
-        """After a slot freed: this origin's next message, or any origin's when the process was full."""
+        """After a request ended: this origin's next message, or any origin's when the process
+        was full (its cap, not the origin's, may have held them)."""
         if self.running + 1 >= self._concurrency:
             for other in list(self._waiting):
                 self._fill(other)
@@ -138,9 +137,3 @@ class Dispatcher:
             self._start(message)
         if queue is not None and not queue:
             del self._waiting[origin]
-
-    def _set_queue(self, origin: str, queue: deque[tuple[float, Claimed]]) -> None:
-        if queue:
-            self._waiting[origin] = queue
-        else:
-            self._waiting.pop(origin, None)

@@ -44,9 +44,6 @@ class DirectResult:
     def __iter__(self) -> Any:
         return iter(self._rows)
 
-    def all(self) -> list[Any]:
-        return list(self._rows)
-
     def one(self) -> Any:
         if len(self._rows) != 1:
             raise psycopg.ProgrammingError(f"expected one row, got {len(self._rows)}")
