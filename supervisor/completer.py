@@ -211,7 +211,12 @@ class Completer:
             await self._flush_until_done(batch, tries=tries - 1)
             return
         m = batch[0].message
-        self._unrecorded.discard(m.id)  # left to its lease: the rescuer hands it back
+        # Left to its lease: the rescuer hands it back when the lease runs out. Its request is
+        # over, so until then it must not hold a slot of its origin in the claim either (a
+        # tenant whose outcomes cannot be recorded would otherwise crowd out the origin's
+        # other tenants); after the lease it is no longer this daemon's lease anyway.
+        self._unrecorded.add(m.id)
+        asyncio.get_running_loop().call_later(self._settings.lease_seconds, self._unrecorded.discard, m.id)
         self._on_recorded([m] if batch[0].action == "retry" else [], [])
         self._log.error("outcome.unrecorded", message_id=m.id, idempotency_key=m.idempotency_key, attempt=m.attempt,
                         outcome=batch[0].outcome, error=type(refused).__name__,
