@@ -31,7 +31,7 @@ from typing import cast
 
 import httptools
 
-__all__ = ["Http1Connection", "Response", "TransportFailure", "connect", "encode_request"]
+__all__ = ["Http1Connection", "Response", "StaleConnection", "TransportFailure", "connect", "encode_request"]
 
 Response = tuple[int, dict[str, str], bytes, bool]  # status, lower-cased headers, body, reusable
 
@@ -52,6 +52,20 @@ class TransportFailure(Exception):
         super().__init__(error)
         self.kind = kind
         self.error = error
+
+
+class StaleConnection(TransportFailure):
+    """A reused connection failed before any byte of a response: the peer had closed it.
+
+    A server may close an idle keep-alive connection at any moment, so a request written
+    as it closes fails without an answer (RFC 9112 section 9.3.1). Sending the same bytes
+    once more, on a new connection, is what common clients do and is safe here: receivers
+    dedupe by ``idempotency_key`` (docs/protocol.md "Idempotency").
+    """
+
+
+class _OutOfStep(Exception):
+    """Raised from a parser callback to stop reading at a message after the answer."""
 
 
 LOCAL_PROTOCOL_ERROR = TransportFailure("protocol_error", "LocalProtocolError: request could not be encoded as valid HTTP")
@@ -129,6 +143,9 @@ class Http1Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._final = False  # the headers of the final (non-1xx) response are in
+        self._complete = False  # the final response has ended: any byte after it is out of step
+        self._excess = False  # a byte after the final response arrived in the same read
+        self._keep_alive = False  # the final response allows another request on this connection
         self._framed = False  # its body has a length (or chunks): EOF mid-body is an error
         self._read_timeout = 0.0
         self._last_data = 0.0
@@ -136,6 +153,7 @@ class Http1Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.answered = 0  # responses read whole on this connection: a reused one has answered before
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -143,7 +161,8 @@ class Http1Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
-        if self._waiter is None:  # bytes nobody asked for: this connection is out of step
+        waiter = self._waiter
+        if waiter is None or waiter.done():  # bytes after the answer, before the next request: out of step
             self.abort()
             return
         self._last_data = self._loop.time()
@@ -151,10 +170,13 @@ class Http1Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # a 101 is no webhook answer either
-            self._fail(NOT_HTTP)
-            return
-        if self._waiter is not None and not self._waiter.done() and (
-                self._received > MAX_EXCHANGE_BYTES or (not self._final and self._received > MAX_HEAD_BYTES)):
+            if not self._complete:
+                self._fail(NOT_HTTP)
+                return
+            self._excess = True  # not even HTTP, after the answer
+        if self._complete:  # decided once the whole read is parsed: bytes after the answer drop the connection
+            self._finish(reusable=self._keep_alive and not self._excess)
+        elif self._received > MAX_EXCHANGE_BYTES or (not self._final and self._received > MAX_HEAD_BYTES):
             self._fail(TOO_LARGE)
 
     def eof_received(self) -> bool:
@@ -175,8 +197,9 @@ class Http1Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ llhttp callbacks
 
     def on_message_begin(self) -> None:
-        if self._waiter is None:
-            self.abort()
+        if self._complete:  # another message after the answer, in the same read (RFC 9112 section 6.3)
+            self._excess = True
+            raise _OutOfStep
         self._headers = {}
         self._final = False
 
@@ -208,8 +231,9 @@ class Http1Connection(asyncio.Protocol):
         self._size += len(body)
 
     def on_message_complete(self) -> None:
-        if self._final and self._waiter is not None:
-            self._finish(reusable=self._parser.should_keep_alive())
+        if self._final:
+            self._complete = True
+            self._keep_alive = self._parser.should_keep_alive()
 
     # ------------------------------------------------------------------ the request
 
@@ -219,17 +243,23 @@ class Http1Connection(asyncio.Protocol):
         If the caller is cancelled (its deadline), the connection is left mid-exchange:
         the caller must not reuse it (``reusable`` is only ever true in a returned response).
         """
+        reused = self.answered > 0
         if self.closed or self._transport is None or self._transport.is_closing():
-            raise CLOSED_EARLY
+            raise StaleConnection(CLOSED_EARLY.kind, CLOSED_EARLY.error) if reused else CLOSED_EARLY
         waiter: asyncio.Future[Response] = self._loop.create_future()
         self._waiter = waiter
         self._body, self._size, self._final, self._status, self._received = [], 0, False, 0, 0
+        self._complete = self._excess = False
         self._read_timeout = read_timeout
         self._last_data = self._loop.time()
         self._timer = self._loop.call_later(read_timeout, self._check_silence)
         self._transport.write(data)
         try:
             return await waiter
+        except TransportFailure as failure:
+            if reused and self._received == 0 and failure.kind == "connection_error":
+                raise StaleConnection(failure.kind, failure.error) from None
+            raise
         finally:
             self._waiter = None
             if self._timer is not None:
@@ -249,6 +279,7 @@ class Http1Connection(asyncio.Protocol):
         if waiter is None or waiter.done():
             return
         waiter.set_result((self._status, self._headers, b"".join(self._body), reusable and not self.closed))
+        self.answered += 1
         if not reusable:
             self.abort()
 
