@@ -83,12 +83,34 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_EXCHANGE_BYTES = 1024 * 1024
 
 
+# OpenSSL's X509_V_ERR_* codes, by what the operator has to fix. The library's own message
+# is never stored: for a name mismatch it quotes the host name.
+_CERTIFICATE_CAUSES = {
+    62: "TLS certificate name mismatch (not valid for this host)",  # HOSTNAME_MISMATCH
+    64: "TLS certificate name mismatch (not valid for this address)",  # IP_ADDRESS_MISMATCH
+    10: "TLS certificate expired",  # CERT_HAS_EXPIRED
+    9: "TLS certificate not yet valid",  # CERT_NOT_YET_VALID
+    **dict.fromkeys((2, 18, 19, 20, 21, 27), "TLS certificate from an unknown authority"),  # no trusted issuer
+    23: "TLS certificate revoked",  # CERT_REVOKED
+}
+_OPENSSL_REASON = re.compile(r"[A-Z0-9_]{1,64}")
+
+
+def _tls_hint(exc: ssl.SSLError) -> str:
+    """Why TLS failed, named for the operator (docs/protocol.md "Attempt records")."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = exc.verify_code  # None from a platform verifier (truststore on macOS, Windows)
+        if not isinstance(code, int):
+            return "TLS certificate verification failed"
+        return _CERTIFICATE_CAUSES.get(code, f"TLS certificate verification failed (verify code {code})")
+    reason = exc.reason if isinstance(exc.reason, str) and _OPENSSL_REASON.fullmatch(exc.reason) else None
+    return f"TLS handshake failed ({reason})" if reason else "TLS handshake failed"
+
+
 def _hint(exc: BaseException | None, fallback: str) -> str:
     """What an OS or TLS exception says, in the fixed vocabulary (never its own text)."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return "TLS certificate verification failed"
     if isinstance(exc, ssl.SSLError):
-        return "TLS handshake failed"
+        return _tls_hint(exc)
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     if isinstance(exc, ConnectionResetError):
@@ -313,11 +335,13 @@ async def connect(address: str, port: int, *, ssl_context: ssl.SSLContext | None
     """
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    handshaking = False
     try:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         async with asyncio.timeout(timeout):
             await loop.sock_connect(sock, (address, port))
+            handshaking = ssl_context is not None
             _, connection = await loop.create_connection(
                 lambda: Http1Connection(loop, body_cap), sock=sock, ssl=ssl_context,
                 server_hostname=server_hostname if ssl_context is not None else None,
@@ -328,7 +352,10 @@ async def connect(address: str, port: int, *, ssl_context: ssl.SSLContext | None
         raise CONNECT_TIMEOUT from None
     except (OSError, ssl.SSLError) as exc:  # SSLError is an OSError; named for the reader
         sock.close()
-        raise TransportFailure("connection_error", f"ConnectError: {_hint(exc, 'could not connect')}") from None
+        hint = _hint(exc, "could not connect")
+        if handshaking and not isinstance(exc, ssl.SSLError):  # the peer dropped the handshake
+            hint = f"TLS handshake failed ({hint})"
+        raise TransportFailure("connection_error", f"ConnectError: {hint}") from None
     except BaseException:
         sock.close()
         raise
