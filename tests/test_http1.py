@@ -175,10 +175,13 @@ def test_interim_answers_are_skipped_and_bytes_after_the_answer_drop_the_connect
 
 # --------------------------------------------------------------------------- bytes after the answer
 
-MINE = b"HTTP/1.1 299 Mine\r\nContent-Length: 4\r\n\r\nmine"  # the next request's own answer
-# What a receiver may write after its answer: the start of another response (whose pending
-# body would swallow the next real answer), a whole one, a stray line, junk, blank lines.
-EXTRA = st.sampled_from([b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+# The next request's own answer; its leading blank line (skipped before a status line, RFC
+# 9112 section 2.2) would end the unfinished head of a stray response instead.
+MINE = b"\r\nHTTP/1.1 299 Mine\r\nContent-Length: 4\r\n\r\nmine"
+SWALLOWER = f"HTTP/1.1 200 OK\r\nContent-Length: {len(MINE) - 2}\r\n".encode()  # its body would be MINE
+# What a receiver may write after its answer: the start of another response (whose body
+# would swallow the next real answer), a whole one, a stray line, junk, blank lines.
+EXTRA = st.sampled_from([SWALLOWER, SWALLOWER + b"\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
                          b"HTTP/1.1 200 OK\r\n", b"H", b"\r\n", b"\n\n"]) | st.binary(min_size=1, max_size=40)
 
 
@@ -237,10 +240,9 @@ def test_bytes_after_an_answer_are_never_read_by_a_later_request(
 
 
 def test_every_split_of_an_answer_and_the_start_of_another_drops_the_connection() -> None:
-    """Exhaustively, every one- and two-cut split of a 200 followed by the head of another
-    response whose body would swallow the next real answer."""
-    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-    raw = answer + b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n"
+    """Exhaustively, every one- and two-cut split of a 200 followed by most of the head of
+    another response, whose body would be the next real answer."""
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + SWALLOWER
 
     async def every_split() -> int:
         count = 0
@@ -340,13 +342,14 @@ def test_a_response_cannot_make_the_daemon_buffer_without_bound(raw: bytes) -> N
 
 
 async def test_an_answer_followed_by_the_start_of_another_never_answers_the_next_request(peers, senders) -> None:  # noqa: F811
-    """One write holds a whole 200 and the head of another response whose body would
-    swallow the next real answer: the next request is answered by its own 503."""
+    """One write holds a whole 200 and most of the head of another, whose body would be the
+    next real answer: the next request is answered by its own 503."""
     async def two_in_one_write(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        refusal = b"\r\n" + response(503, b"busy")  # would end the stray head, were it still read
         if len(peer.requests) == 1:
-            writer.write(response(200, b"ok") + b"HTTP/1.1 200 OK\r\nContent-Length: 40\r\n\r\n")
+            writer.write(response(200, b"ok") + f"HTTP/1.1 200 OK\r\nContent-Length: {len(refusal) - 2}\r\n".encode())
         else:
-            writer.write(response(503, b"busy"))
+            writer.write(refusal)
         await writer.drain()
         return True
 
