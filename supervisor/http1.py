@@ -16,8 +16,12 @@ What owning the wire buys besides speed:
   no client re-encodes a path or query after the signature was made.
 * **Nothing is read that is not needed.** A response body past the cap is never read:
   the connection is dropped (docs/protocol.md "Sizes and timeouts").
+* **Nothing is read as an answer that is not one.** A byte after the final response, in
+  the same read or later, makes the connection unusable: it is closed, never pooled, so
+  no later request can take it for its answer (RFC 9112 section 6.3).
 * **Errors come from a fixed vocabulary** (:class:`TransportFailure`): never the URL, an
-  address or an OS message (docs/protocol.md "Attempt records").
+  address or an OS message; a TLS failure names its cause (docs/protocol.md "Attempt
+  records").
 """
 
 from __future__ import annotations

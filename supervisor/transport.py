@@ -23,9 +23,8 @@ Why this is not just ``httpx.AsyncClient().post(url)``:
   has a hard deadline of ``connect + read`` timeout, which ``Settings`` guarantees is
   shorter than the lease, so a trickling receiver cannot make an attempt outlive its lease
   and be sent twice at once.
-* **A keep-alive connection the receiver closed is no failure of the receiver's.** A
-  request that fails on a reused connection before any byte of an answer is sent once
-  more, at once, on a new connection, inside the same deadline
+* **An idle connection the receiver closed is not its failure:** a request failing on a
+  reused connection before any answer byte is sent once more, at once, on a new one
   (:class:`supervisor.http1.StaleConnection`); any other failure is the attempt's.
 * **Errors are safe to store.** :attr:`HttpResult.error` is built from a fixed vocabulary:
   never the URL, its query string, a resolved address or resolver/OS exception text
