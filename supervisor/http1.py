@@ -68,6 +68,16 @@ class StaleConnection(TransportFailure):
     """
 
 
+_CR_LF = (13, 10)
+
+
+def _blank_run(data: bytes) -> int:
+    """How many CR and LF bytes end ``data`` (a short tail is looked at first: no copy of a large read)."""
+    tail = data[-16:]
+    run = len(tail) - len(tail.rstrip(b"\r\n"))
+    return len(data) - len(data.rstrip(b"\r\n")) if run == 16 else run
+
+
 class _OutOfStep(Exception):
     """Raised from a parser callback to stop reading at a message after the answer."""
 
@@ -172,6 +182,7 @@ class Http1Connection(asyncio.Protocol):
         self._complete = False  # the final response has ended: any byte after it is out of step
         self._excess = False  # a byte after the final response arrived in the same read
         self._keep_alive = False  # the final response allows another request on this connection
+        self._blank = 0  # how many CR and LF bytes end what this exchange has read
         self._framed = False  # its body has a length (or chunks): EOF mid-body is an error
         self._read_timeout = 0.0
         self._last_data = 0.0
@@ -193,6 +204,11 @@ class Http1Connection(asyncio.Protocol):
             return
         self._last_data = self._loop.time()
         self._received += len(data)
+        if data[-1] in _CR_LF:  # the stream's trailing run of CR and LF, for _blank_lines_after
+            run = _blank_run(data)
+            self._blank = self._blank + run if run == len(data) else run
+        else:
+            self._blank = 0
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # a 101 is no webhook answer either
@@ -201,9 +217,25 @@ class Http1Connection(asyncio.Protocol):
                 return
             self._excess = True  # not even HTTP, after the answer
         if self._complete:  # decided once the whole read is parsed: bytes after the answer drop the connection
-            self._finish(reusable=self._keep_alive and not self._excess)
+            self._finish(reusable=self._keep_alive and not (self._excess or self._blank_lines_after()))
         elif self._received > MAX_EXCHANGE_BYTES or (not self._final and self._received > MAX_HEAD_BYTES):
             self._fail(TOO_LARGE)
+
+    def _blank_lines_after(self) -> bool:
+        """Whether CR or LF bytes follow the answer that just ended.
+
+        The parser skips them between messages without a callback (RFC 9112 section 2.2),
+        so they are counted: the stream's trailing run of CR and LF is longer than the
+        answer's own, which its framing fixes (a head or a chunked body ends in exactly two
+        CRLF; a body of known length ends in its own bytes).
+        """
+        if self._blank == 0:
+            return False
+        if "transfer-encoding" in self._headers:
+            return self._blank > 4
+        body = b"".join(self._body)
+        own = _blank_run(body)
+        return self._blank > (own + 4 if own == len(body) else own)
 
     def eof_received(self) -> bool:
         return False  # a half-closed connection is of no use: close it (connection_lost follows)
@@ -276,6 +308,7 @@ class Http1Connection(asyncio.Protocol):
         self._waiter = waiter
         self._body, self._size, self._final, self._status, self._received = [], 0, False, 0, 0
         self._complete = self._excess = False
+        self._blank = 0
         self._read_timeout = read_timeout
         self._last_data = self._loop.time()
         self._timer = self._loop.call_later(read_timeout, self._check_silence)
