@@ -24,10 +24,10 @@ from tests.test_db_faults import enqueue_batch, message_key
 
 pytestmark = pytest.mark.e2e
 
-# (idempotency key, how many requests this connection has carried) -> (bytes to write, whether
-# to keep the connection open after them).
-Script = Callable[[str, int], tuple[bytes, bool]]
-FIRST, SECOND = message_key("wire", 1), message_key("wire", 2)
+# (how many requests this connection has carried, how many the receiver has) -> (bytes to
+# write, whether to keep the connection open after them).
+Script = Callable[[int, int], tuple[bytes, bool]]
+KEYS = (message_key("wire", 1), message_key("wire", 2))
 
 
 def answer(status: int, body: bytes = b"ok") -> bytes:
@@ -72,7 +72,7 @@ class ScriptedReceiver:
                 nth += 1
                 key = json.loads(body)["idempotency_key"]
                 self.log.append((key, number, nth))
-                reply, keep = self.script(key, nth)
+                reply, keep = self.script(nth, len(self.log))
                 conn.sendall(reply)
                 if not keep:
                     return
@@ -84,15 +84,15 @@ class ScriptedReceiver:
 
 @pytest.fixture
 def run(pg_engine, pg_url: str, tmp_path: Path) -> Iterator[Callable[[Script, Callable[[], bool]], ScriptedReceiver]]:
-    """Enqueue FIRST then SECOND to one scripted receiver and run the daemon (one request at
-    a time per origin, so SECOND goes on the connection FIRST used) until ``done``."""
+    """Enqueue two messages to one scripted receiver and run the daemon (one request at a
+    time per origin, so the later one goes on the connection the earlier one used) until ``done``."""
     key, _ = procs.make_key(tmp_path)
     made: list[ScriptedReceiver] = []
 
     def start(script: Script, done: Callable[[], bool]) -> ScriptedReceiver:
         receiver = ScriptedReceiver(script)
         made.append(receiver)
-        enqueue_batch(pg_engine, [("t1", f"http://127.0.0.1:{receiver.port}/hook", k) for k in (FIRST, SECOND)])
+        enqueue_batch(pg_engine, [("t1", f"http://127.0.0.1:{receiver.port}/hook", k) for k in KEYS])
         daemon = procs.start_daemon(procs.daemon_env(pg_url, key, endpoint_concurrency=1), tmp_path / "d.log")
         try:
             assert procs.wait_until(lambda: done() or daemon.poll() is not None, 60)
@@ -122,33 +122,44 @@ def window_failures(engine) -> int:  # type: ignore[no-untyped-def]
         return sum(conn.execute(select(breakers.c.window_failures + breakers.c.previous_failures)).scalars())
 
 
+def everything(engine) -> dict[str, list[tuple[str, int | None, str | None]]]:  # type: ignore[no-untyped-def]
+    return {key: recorded(engine, key) for key in KEYS}
+
+
 def test_bytes_after_an_answer_never_answer_the_next_request(run, pg_engine) -> None:
-    """One write holds FIRST's 200 and most of the head of another 200, whose body would be
-    exactly the next answer; SECOND's real answer is 503 and must be recorded so."""
+    """One write holds the first request's 200 and most of the head of another 200, whose
+    body would be exactly the next answer; the next request's real answer is 503 and must be
+    recorded so."""
     refusal = b"\r\n" + answer(503, b"busy, try again later")  # ends the head below, or is skipped
     swallower = f"HTTP/1.1 200 OK\r\nContent-Length: {len(refusal) - 2}\r\n".encode()  # its body: the 503
 
-    def script(key: str, nth: int) -> tuple[bytes, bool]:
-        return (answer(200) + swallower, True) if key == FIRST else (refusal, True)
+    receiver = run(lambda nth, order: (answer(200) + swallower if order == 1 else refusal, True),
+                   lambda: all(everything(pg_engine).values()))
+    (first, first_connection, _), *later = receiver.log
+    second = next(key for key in KEYS if key != first)
+    assert recorded(pg_engine, first) == [("success", 200, None)]
+    refused = recorded(pg_engine, second)
+    assert refused and all(status == 503 for _, status, _ in refused), refused
+    assert state(pg_engine, second) != "delivered"
+    assert later[0][:2] != (second, first_connection), "the connection with bytes after its answer was reused"
 
-    receiver = run(script, lambda: len(recorded(pg_engine, SECOND)) >= 1)
-    assert recorded(pg_engine, FIRST) == [("success", 200, None)]
-    second = recorded(pg_engine, SECOND)
-    assert second and all(status == 503 for _, status, _ in second), second
-    assert state(pg_engine, SECOND) != "delivered"
-    connections = {key: number for key, number, _ in receiver.log}
-    assert connections[SECOND] != connections[FIRST], "the connection with bytes after its answer was not reused"
+
+def dropped_then_resent(receiver: ScriptedReceiver) -> str:
+    """The key the receiver saw as a connection's second request, and then again on a new one."""
+    (key, connection, _), = [entry for entry in receiver.log if entry[2] == 2]
+    again = [(number, nth) for k, number, nth in receiver.log if k == key]
+    assert again == [(connection, 2), (again[1][0], 1)] and again[1][0] != connection, receiver.log
+    return key
 
 
 def test_a_connection_the_receiver_closed_while_idle_costs_no_attempt(run, pg_engine) -> None:
-    """The receiver drops a reused connection as SECOND arrives on it, unanswered (as a server
-    closing an idle connection just as the request is written): SECOND is sent again at once
-    on a new connection; one attempt, a success, and no breaker failure."""
-    receiver = run(lambda key, nth: (answer(200), True) if nth == 1 else (b"", False),
-                   lambda: state(pg_engine, SECOND) == "delivered")
-    assert recorded(pg_engine, FIRST) == [("success", 200, None)]
-    assert recorded(pg_engine, SECOND) == [("success", 200, None)]
-    assert [(key, nth) for key, _, nth in receiver.log if key == SECOND] == [(SECOND, 2), (SECOND, 1)]
+    """The receiver drops a reused connection as the next request arrives on it, unanswered
+    (as a server closing an idle connection just as the request is written): it is sent
+    again at once on a new connection; one attempt each, a success, no breaker failure."""
+    receiver = run(lambda nth, order: (answer(200), True) if nth == 1 else (b"", False),
+                   lambda: all(state(pg_engine, key) == "delivered" for key in KEYS))
+    dropped_then_resent(receiver)
+    assert everything(pg_engine) == {key: [("success", 200, None)] for key in KEYS}
     assert window_failures(pg_engine) == 0
 
 
@@ -156,10 +167,10 @@ def test_a_reused_connection_closed_mid_answer_is_a_failed_attempt(run, pg_engin
     """A reused connection that breaks after part of an answer is the receiver's failure:
     recorded, counted for the breaker, and retried after back-off, as before."""
     partial = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
-    receiver = run(lambda key, nth: (answer(200), True) if nth == 1 else (partial, False),
-                   lambda: state(pg_engine, SECOND) == "delivered")
-    assert recorded(pg_engine, SECOND) == [
+    receiver = run(lambda nth, order: (answer(200), True) if nth == 1 else (partial, False),
+                   lambda: all(state(pg_engine, key) == "delivered" for key in KEYS))
+    broken = dropped_then_resent(receiver)
+    assert everything(pg_engine) == {key: [("success", 200, None)] for key in KEYS if key != broken} | {broken: [
         ("connection_error", None, "RemoteProtocolError: connection closed before the response was complete"),
-        ("success", 200, None)]
-    assert [(key, nth) for key, _, nth in receiver.log if key == SECOND] == [(SECOND, 2), (SECOND, 1)]
+        ("success", 200, None)]}
     assert window_failures(pg_engine) == 1
