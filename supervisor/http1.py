@@ -110,7 +110,7 @@ _CERTIFICATE_CAUSES = {
 _OPENSSL_REASON = re.compile(r"[A-Z0-9_]{1,64}")
 
 
-def _tls_hint(exc: ssl.SSLError) -> str:
+def _tls_hint(exc: ssl.SSLError, failed: str = "TLS error") -> str:
     """Why TLS failed, named for the operator (docs/protocol.md "Attempt records")."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         code = exc.verify_code  # None from a platform verifier (truststore on macOS, Windows)
@@ -118,7 +118,7 @@ def _tls_hint(exc: ssl.SSLError) -> str:
             return "TLS certificate verification failed"
         return _CERTIFICATE_CAUSES.get(code, f"TLS certificate verification failed (verify code {code})")
     reason = exc.reason if isinstance(exc.reason, str) and _OPENSSL_REASON.fullmatch(exc.reason) else None
-    return f"TLS handshake failed ({reason})" if reason else "TLS handshake failed"
+    return f"{failed} ({reason})" if reason else failed
 
 
 def _hint(exc: BaseException | None, fallback: str) -> str:
@@ -389,9 +389,12 @@ async def connect(address: str, port: int, *, ssl_context: ssl.SSLContext | None
         raise CONNECT_TIMEOUT from None
     except (OSError, ssl.SSLError) as exc:  # SSLError is an OSError; named for the reader
         sock.close()
-        hint = _hint(exc, "could not connect")
-        if handshaking and not isinstance(exc, ssl.SSLError):  # the peer dropped the handshake
-            hint = f"TLS handshake failed ({hint})"
+        if not handshaking:
+            hint = _hint(exc, "could not connect")
+        elif isinstance(exc, ssl.SSLError):
+            hint = _tls_hint(exc, "TLS handshake failed")
+        else:  # the peer dropped the handshake
+            hint = f"TLS handshake failed ({_hint(exc, 'connection lost')})"
         raise TransportFailure("connection_error", f"ConnectError: {hint}") from None
     except BaseException:
         sock.close()

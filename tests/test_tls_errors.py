@@ -154,6 +154,26 @@ async def test_each_tls_failure_names_its_cause_and_nothing_else(receivers, host
         await sender.aclose()
 
 
+async def test_a_receiver_that_drops_the_handshake_fails_the_handshake() -> None:
+    """A peer that closes as the ClientHello arrives (a TLS-terminating proxy refusing us)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def drop() -> None:
+        conn, _ = listener.accept()
+        conn.recv(1)
+        conn.close()  # the rest of the ClientHello unread: the kernel resets the connection
+
+    threading.Thread(target=drop, daemon=True).start()
+    sender = HttpSender(load_settings(env={"OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"}))
+    try:
+        result = await sender.post(f"https://127.0.0.1:{listener.getsockname()[1]}/hook", b"{}", {})
+    finally:
+        await sender.aclose()
+        listener.close()
+    assert (result.error_kind, result.error) == ("connection_error",
+                                                 "ConnectError: TLS handshake failed (connection reset by peer)")
+
+
 @pytest.mark.e2e
 def test_the_cause_reaches_the_attempt_and_the_message(receivers, pg_engine, pg_url, tmp_path: Path) -> None:
     from tests import procs
