@@ -16,8 +16,12 @@ What owning the wire buys besides speed:
   no client re-encodes a path or query after the signature was made.
 * **Nothing is read that is not needed.** A response body past the cap is never read:
   the connection is dropped (docs/protocol.md "Sizes and timeouts").
+* **Nothing is read as an answer that is not one.** A byte after the final response, in
+  the same read or later, makes the connection unusable: it is closed, never pooled, so
+  no later request can take it for its answer (RFC 9112 section 6.3).
 * **Errors come from a fixed vocabulary** (:class:`TransportFailure`): never the URL, an
-  address or an OS message (docs/protocol.md "Attempt records").
+  address or an OS message; a TLS failure names its cause (docs/protocol.md "Attempt
+  records").
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import cast
 
 import httptools
 
-__all__ = ["Http1Connection", "Response", "TransportFailure", "connect", "encode_request"]
+__all__ = ["Http1Connection", "Response", "StaleConnection", "TransportFailure", "connect", "encode_request"]
 
 Response = tuple[int, dict[str, str], bytes, bool]  # status, lower-cased headers, body, reusable
 
@@ -54,6 +58,30 @@ class TransportFailure(Exception):
         self.error = error
 
 
+class StaleConnection(TransportFailure):
+    """A reused connection failed before any byte of a response: the peer had closed it.
+
+    A server may close an idle keep-alive connection at any moment, so a request written
+    as it closes fails without an answer (RFC 9112 section 9.3.1). Sending the same bytes
+    once more, on a new connection, is what common clients do and is safe here: receivers
+    dedupe by ``idempotency_key`` (docs/protocol.md "Idempotency").
+    """
+
+
+_CR_LF = (13, 10)
+
+
+def _blank_run(data: bytes) -> int:
+    """How many CR and LF bytes end ``data`` (a short tail is looked at first: no copy of a large read)."""
+    tail = data[-16:]
+    run = len(tail) - len(tail.rstrip(b"\r\n"))
+    return len(data) - len(data.rstrip(b"\r\n")) if run == 16 else run
+
+
+class _OutOfStep(Exception):
+    """Raised from a parser callback to stop reading at a message after the answer."""
+
+
 LOCAL_PROTOCOL_ERROR = TransportFailure("protocol_error", "LocalProtocolError: request could not be encoded as valid HTTP")
 NOT_HTTP = TransportFailure("protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1")
 CLOSED_EARLY = TransportFailure("connection_error",
@@ -69,12 +97,34 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_EXCHANGE_BYTES = 1024 * 1024
 
 
+# OpenSSL's X509_V_ERR_* codes, by what the operator has to fix. The library's own message
+# is never stored: for a name mismatch it quotes the host name.
+_CERTIFICATE_CAUSES = {
+    62: "TLS certificate name mismatch (not valid for this host)",  # HOSTNAME_MISMATCH
+    64: "TLS certificate name mismatch (not valid for this address)",  # IP_ADDRESS_MISMATCH
+    10: "TLS certificate expired",  # CERT_HAS_EXPIRED
+    9: "TLS certificate not yet valid",  # CERT_NOT_YET_VALID
+    **dict.fromkeys((2, 18, 19, 20, 21, 27), "TLS certificate from an unknown authority"),  # no trusted issuer
+    23: "TLS certificate revoked",  # CERT_REVOKED
+}
+_OPENSSL_REASON = re.compile(r"[A-Z0-9_]{1,64}")
+
+
+def _tls_hint(exc: ssl.SSLError, failed: str = "TLS error") -> str:
+    """Why TLS failed, named for the operator (docs/protocol.md "Attempt records")."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = exc.verify_code  # None from a platform verifier (truststore on macOS, Windows)
+        if not isinstance(code, int):
+            return "TLS certificate verification failed"
+        return _CERTIFICATE_CAUSES.get(code, f"TLS certificate verification failed (verify code {code})")
+    reason = exc.reason if isinstance(exc.reason, str) and _OPENSSL_REASON.fullmatch(exc.reason) else None
+    return f"{failed} ({reason})" if reason else failed
+
+
 def _hint(exc: BaseException | None, fallback: str) -> str:
     """What an OS or TLS exception says, in the fixed vocabulary (never its own text)."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return "TLS certificate verification failed"
     if isinstance(exc, ssl.SSLError):
-        return "TLS handshake failed"
+        return _tls_hint(exc)
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     if isinstance(exc, ConnectionResetError):
@@ -129,6 +179,10 @@ class Http1Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._final = False  # the headers of the final (non-1xx) response are in
+        self._complete = False  # the final response has ended: any byte after it is out of step
+        self._excess = False  # a byte after the final response arrived in the same read
+        self._keep_alive = False  # the final response allows another request on this connection
+        self._blank = 0  # how many CR and LF bytes end what this exchange has read
         self._framed = False  # its body has a length (or chunks): EOF mid-body is an error
         self._read_timeout = 0.0
         self._last_data = 0.0
@@ -136,6 +190,7 @@ class Http1Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.answered = 0  # responses read whole on this connection: a reused one has answered before
 
     # ------------------------------------------------------------------ asyncio callbacks
 
@@ -143,19 +198,44 @@ class Http1Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
-        if self._waiter is None:  # bytes nobody asked for: this connection is out of step
+        waiter = self._waiter
+        if waiter is None or waiter.done():  # bytes after the answer, before the next request: out of step
             self.abort()
             return
         self._last_data = self._loop.time()
         self._received += len(data)
+        if data[-1] in _CR_LF:  # the stream's trailing run of CR and LF, for _blank_lines_after
+            run = _blank_run(data)
+            self._blank = self._blank + run if run == len(data) else run
+        else:
+            self._blank = 0
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # a 101 is no webhook answer either
-            self._fail(NOT_HTTP)
-            return
-        if self._waiter is not None and not self._waiter.done() and (
-                self._received > MAX_EXCHANGE_BYTES or (not self._final and self._received > MAX_HEAD_BYTES)):
+            if not self._complete:
+                self._fail(NOT_HTTP)
+                return
+            self._excess = True  # not even HTTP, after the answer
+        if self._complete:  # decided once the whole read is parsed: bytes after the answer drop the connection
+            self._finish(reusable=self._keep_alive and not (self._excess or self._blank_lines_after()))
+        elif self._received > MAX_EXCHANGE_BYTES or (not self._final and self._received > MAX_HEAD_BYTES):
             self._fail(TOO_LARGE)
+
+    def _blank_lines_after(self) -> bool:
+        """Whether CR or LF bytes follow the answer that just ended.
+
+        The parser skips them between messages without a callback (RFC 9112 section 2.2),
+        so they are counted: the stream's trailing run of CR and LF is longer than the
+        answer's own, which its framing fixes (a head or a chunked body ends in exactly two
+        CRLF; a body of known length ends in its own bytes).
+        """
+        if self._blank == 0:
+            return False
+        if "transfer-encoding" in self._headers:
+            return self._blank > 4
+        body = b"".join(self._body)
+        own = _blank_run(body)
+        return self._blank > (own + 4 if own == len(body) else own)
 
     def eof_received(self) -> bool:
         return False  # a half-closed connection is of no use: close it (connection_lost follows)
@@ -175,8 +255,9 @@ class Http1Connection(asyncio.Protocol):
     # ------------------------------------------------------------------ llhttp callbacks
 
     def on_message_begin(self) -> None:
-        if self._waiter is None:
-            self.abort()
+        if self._complete:  # another message after the answer, in the same read (RFC 9112 section 6.3)
+            self._excess = True
+            raise _OutOfStep
         self._headers = {}
         self._final = False
 
@@ -208,8 +289,9 @@ class Http1Connection(asyncio.Protocol):
         self._size += len(body)
 
     def on_message_complete(self) -> None:
-        if self._final and self._waiter is not None:
-            self._finish(reusable=self._parser.should_keep_alive())
+        if self._final:
+            self._complete = True
+            self._keep_alive = self._parser.should_keep_alive()
 
     # ------------------------------------------------------------------ the request
 
@@ -219,17 +301,24 @@ class Http1Connection(asyncio.Protocol):
         If the caller is cancelled (its deadline), the connection is left mid-exchange:
         the caller must not reuse it (``reusable`` is only ever true in a returned response).
         """
+        reused = self.answered > 0
         if self.closed or self._transport is None or self._transport.is_closing():
-            raise CLOSED_EARLY
+            raise StaleConnection(CLOSED_EARLY.kind, CLOSED_EARLY.error) if reused else CLOSED_EARLY
         waiter: asyncio.Future[Response] = self._loop.create_future()
         self._waiter = waiter
         self._body, self._size, self._final, self._status, self._received = [], 0, False, 0, 0
+        self._complete = self._excess = False
+        self._blank = 0
         self._read_timeout = read_timeout
         self._last_data = self._loop.time()
         self._timer = self._loop.call_later(read_timeout, self._check_silence)
         self._transport.write(data)
         try:
             return await waiter
+        except TransportFailure as failure:
+            if reused and self._received == 0 and failure.kind == "connection_error":
+                raise StaleConnection(failure.kind, failure.error) from None
+            raise
         finally:
             self._waiter = None
             if self._timer is not None:
@@ -249,6 +338,7 @@ class Http1Connection(asyncio.Protocol):
         if waiter is None or waiter.done():
             return
         waiter.set_result((self._status, self._headers, b"".join(self._body), reusable and not self.closed))
+        self.answered += 1
         if not reusable:
             self.abort()
 
@@ -282,11 +372,13 @@ async def connect(address: str, port: int, *, ssl_context: ssl.SSLContext | None
     """
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    handshaking = False
     try:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         async with asyncio.timeout(timeout):
             await loop.sock_connect(sock, (address, port))
+            handshaking = ssl_context is not None
             _, connection = await loop.create_connection(
                 lambda: Http1Connection(loop, body_cap), sock=sock, ssl=ssl_context,
                 server_hostname=server_hostname if ssl_context is not None else None,
@@ -297,7 +389,13 @@ async def connect(address: str, port: int, *, ssl_context: ssl.SSLContext | None
         raise CONNECT_TIMEOUT from None
     except (OSError, ssl.SSLError) as exc:  # SSLError is an OSError; named for the reader
         sock.close()
-        raise TransportFailure("connection_error", f"ConnectError: {_hint(exc, 'could not connect')}") from None
+        if not handshaking:
+            hint = _hint(exc, "could not connect")
+        elif isinstance(exc, ssl.SSLError):
+            hint = _tls_hint(exc, "TLS handshake failed")
+        else:  # the peer dropped the handshake
+            hint = f"TLS handshake failed ({_hint(exc, 'connection lost')})"
+        raise TransportFailure("connection_error", f"ConnectError: {hint}") from None
     except BaseException:
         sock.close()
         raise

@@ -23,6 +23,9 @@ Why this is not just ``httpx.AsyncClient().post(url)``:
   has a hard deadline of ``connect + read`` timeout, which ``Settings`` guarantees is
   shorter than the lease, so a trickling receiver cannot make an attempt outlive its lease
   and be sent twice at once.
+* **An idle connection the receiver closed is not its failure:** a request failing on a
+  reused connection before any answer byte is sent once more, at once, on a new one
+  (:class:`supervisor.http1.StaleConnection`); any other failure is the attempt's.
 * **Errors are safe to store.** :attr:`HttpResult.error` is built from a fixed vocabulary:
   never the URL, its query string, a resolved address or resolver/OS exception text
   (docs/protocol.md, "Destinations (SSRF)", "Attempt records").
@@ -46,7 +49,7 @@ from urllib.parse import urlsplit
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.urls import blocked_reason, canonicalize_url, origin
-from supervisor.http1 import Http1Connection, TransportFailure, connect, encode_request
+from supervisor.http1 import Http1Connection, StaleConnection, TransportFailure, connect, encode_request
 from supervisor.tls import tls_context
 
 __all__ = ["RESPONSE_BODY_CAP", "HttpResult", "HttpSender", "Resolver"]
@@ -219,8 +222,15 @@ class HttpSender:
                     raise _Refused("invalid", "request target would differ from the signed @target-uri "
                                               "(URL not canonical)")
                 connection = await self._checkout(entry)
-                status, resp_headers, resp_body, reusable = await connection.request(
-                    data, self._settings.read_timeout_seconds)
+                try:
+                    status, resp_headers, resp_body, reusable = await connection.request(
+                        data, self._settings.read_timeout_seconds)
+                except StaleConnection:  # closed by the peer while idle: once more, at once, on a new one
+                    connection.abort()
+                    connection = None  # its pool slot goes to the new connection
+                    connection = await self._open(entry)
+                    status, resp_headers, resp_body, reusable = await connection.request(
+                        data, self._settings.read_timeout_seconds)
             return HttpResult(status, MappingProxyType(resp_headers), resp_body, _ms(started), None, None)
         except TransportFailure as exc:
             return HttpResult(None, _EMPTY_HEADERS, b"", _ms(started), exc.kind, exc.error)

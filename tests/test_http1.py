@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.http1 import Http1Connection, TransportFailure, encode_request
+from supervisor.http1 import Http1Connection, Response, TransportFailure, encode_request
 from supervisor.transport import HttpSender
 from tests.test_transport import BODY, HEADERS, Request, ok, response  # noqa: F401 - fixtures below
 from tests.test_transport import event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
@@ -170,7 +170,84 @@ def test_interim_answers_are_skipped_and_bytes_after_the_answer_drop_the_connect
     raw = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\n"
     got = asyncio.run(exchange([raw], eof=False))
     assert not isinstance(got, TransportFailure)
-    assert (got[0], got[2]) == (201, b"ok")
+    assert got[0] == 201 and got[2] == b"ok" and got[3] is False
+
+
+# --------------------------------------------------------------------------- bytes after the answer
+
+# The next request's own answer; its leading blank line (skipped before a status line, RFC
+# 9112 section 2.2) would end the unfinished head of a stray response instead.
+MINE = b"\r\nHTTP/1.1 299 Mine\r\nContent-Length: 4\r\n\r\nmine"
+SWALLOWER = f"HTTP/1.1 200 OK\r\nContent-Length: {len(MINE) - 2}\r\n".encode()  # its body would be MINE
+# What a receiver may write after its answer: the start of another response (whose body
+# would swallow the next real answer), a whole one, a stray line, junk, blank lines.
+EXTRA = st.sampled_from([SWALLOWER, SWALLOWER + b"\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+                         b"HTTP/1.1 200 OK\r\n", b"H", b"\r\n", b"\n\n"]) | st.binary(min_size=1, max_size=40)
+
+
+async def answer_then_next(chunks: list[bytes], eof: bool) -> tuple[Response | TransportFailure, Response | None, bool]:
+    """The first answer read from ``chunks``; then, unless the connection was dropped, what a
+    second request on the same connection reads when its own answer is :data:`MINE`."""
+    loop = asyncio.get_running_loop()
+    connection = Http1Connection(loop, CAP)
+    connection.connection_made(FakeTransport())
+    first: Response | TransportFailure
+    request = asyncio.ensure_future(connection.request(b"POST / HTTP/1.1\r\nHost: x\r\n\r\n", 5.0))
+    await asyncio.sleep(0)
+    for chunk in chunks:  # every chunk arrives before the next request is written
+        if not connection.closed:
+            connection.data_received(chunk)
+        await asyncio.sleep(0)  # reads on either side of the caller taking its answer
+    if eof and not connection.closed:
+        connection.connection_lost(None)
+    try:
+        first = await asyncio.wait_for(request, 1.0)
+    except TransportFailure as failure:
+        first = failure
+    if connection.closed:
+        return first, None, True
+    second = asyncio.ensure_future(connection.request(b"POST / HTTP/1.1\r\nHost: x\r\n\r\n", 5.0))
+    await asyncio.sleep(0)
+    connection.data_received(MINE)
+    return first, await asyncio.wait_for(second, 1.0), False
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(responses(), EXTRA, st.lists(st.integers(0, 10_000), max_size=6), st.booleans())
+def test_bytes_after_an_answer_are_never_read_by_a_later_request(
+        case: tuple[bytes, bool], extra: bytes, cuts: list[int], at_the_boundary: bool) -> None:
+    """The answer is what h11 reads; whatever follows it, however split, drops the
+    connection (RFC 9112 section 6.3) and so can never be read as another request's answer."""
+    raw, close = case
+    expected = oracle(raw, eof=close)
+    assert expected is not None
+    chunks = split(raw + extra, cuts + ([len(raw)] if at_the_boundary else []))
+    first, second, dropped = asyncio.run(answer_then_next(chunks, eof=close))
+    if b"Content-Length" not in raw and b"chunked" not in raw:  # a body delimited by the close: extra is body
+        assert not isinstance(first, TransportFailure) and first[2] == (raw + extra).split(b"\r\n\r\n", 1 + (
+            raw.startswith(b"HTTP/1.1 1")))[-1][:CAP] and dropped
+        return
+    assert not isinstance(first, TransportFailure), first.error
+    assert first[:3] == expected[:3], "the answer is the response's own, not the bytes after it"
+    assert dropped and second is None, "bytes after the answer: the connection is never reused"
+
+
+def test_every_split_of_an_answer_and_the_start_of_another_drops_the_connection() -> None:
+    """Exhaustively, every one- and two-cut split of a 200 followed by most of the head of
+    another response, whose body would be the next real answer."""
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + SWALLOWER
+
+    async def every_split() -> int:
+        count = 0
+        for a in range(1, len(raw)):
+            for b in range(a, len(raw)):
+                first, second, dropped = await answer_then_next(split(raw, [a, b]), eof=False)
+                assert not isinstance(first, TransportFailure) and first[0] == 200 and first[2] == b"ok"
+                assert dropped and second is None, (a, b)
+                count += 1
+        return count
+
+    assert asyncio.run(every_split()) == (len(raw) - 1) * len(raw) // 2
 
 
 def test_upgrade_is_not_an_answer() -> None:
@@ -255,3 +332,49 @@ def test_a_response_cannot_make_the_daemon_buffer_without_bound(raw: bytes) -> N
     got = asyncio.run(exchange(split(raw, list(range(4096, len(raw), 4096))), eof=False))
     assert isinstance(got, TransportFailure), got
     assert got.error == "RemoteProtocolError: response head or framing too large"
+
+
+@pytest.mark.parametrize("body", [b"", b"ok", b"ok\r\n", b"\r\n\r\n", b"\n"])
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_blank_lines_after_an_answer_drop_it_however_the_reads_fall(body: bytes, framing: str) -> None:
+    """The parser skips CR and LF between messages silently; they still drop the connection,
+    while an answer whose own framing or body ends in them keeps it, for every one-cut split
+    and for one byte per read."""
+    if framing == "length":
+        raw = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    else:
+        raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + (
+            b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
+
+    async def every_split() -> None:
+        for extra in (b"", b"\r\n", b"\n", b"\r\n\r\n"):
+            stream = raw + extra
+            splits = [split(stream, [cut]) for cut in range(len(stream) + 1)] + [[bytes([b]) for b in stream]]
+            for chunks in splits:
+                first, second, dropped = await answer_then_next(chunks, eof=False)
+                assert not isinstance(first, TransportFailure) and first[2] == body
+                assert dropped == bool(extra), (extra, chunks)
+                assert dropped or (second is not None and second[0] == 299)
+
+    asyncio.run(every_split())
+
+
+async def test_an_answer_followed_by_the_start_of_another_never_answers_the_next_request(peers, senders) -> None:  # noqa: F811
+    """One write holds a whole 200 and most of the head of another, whose body would be the
+    next real answer: the next request is answered by its own 503."""
+    async def two_in_one_write(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        refusal = b"\r\n" + response(503, b"busy")  # would end the stray head, were it still read
+        if len(peer.requests) == 1:
+            writer.write(response(200, b"ok") + f"HTTP/1.1 200 OK\r\nContent-Length: {len(refusal) - 2}\r\n".encode())
+        else:
+            writer.write(refusal)
+        await writer.drain()
+        return True
+
+    peer = await peers(two_in_one_write)
+    sender = senders()
+    first = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    second = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    assert (first.status, first.body) == (200, b"ok")
+    assert (second.status, second.body) == (503, b"busy")
+    assert peer.connections == 2, "the connection with bytes after its answer was closed, never pooled"

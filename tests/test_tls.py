@@ -50,7 +50,7 @@ async def _post(settings, url: str, env: dict[str, str] | None = None) -> tuple[
 
 
 async def test_default_certifi_refuses_a_private_ca(https_url: str) -> None:
-    assert await _post(_settings(), https_url) == (None, "ConnectError: TLS certificate verification failed")
+    assert await _post(_settings(), https_url) == (None, "ConnectError: TLS certificate from an unknown authority")
 
 
 async def test_ca_file_setting_trusts_the_private_ca(https_url: str, ca: tuple[Path, Path, Path]) -> None:

@@ -401,7 +401,7 @@ async def test_https_sni_uses_url_host_while_connecting_to_pinned_ip(peers, send
         f"https://other.test:{peer.port}/hook?token={SECRET}", BODY, HEADERS
     )
     assert wrong.error_kind == "connection_error"
-    assert wrong.error == "ConnectError: TLS certificate verification failed"
+    assert wrong.error == "ConnectError: TLS certificate name mismatch (not valid for this host)"
     # A file path works as verify too.
     by_path = senders(settings(allow_http=False), resolver=resolver, verify=str(tmp_path / "cert.pem"))
     assert (await by_path.post(f"https://buyer.test:{peer.port}/", BODY, HEADERS)).status == 200
