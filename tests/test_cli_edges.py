@@ -162,3 +162,11 @@ def test_migrate_and_keys_list_on_sqlite_print_no_sqlalchemy_warning(tmp_path):
         done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], capture_output=True, text=True,
                               env=env, timeout=120)
         assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
+
+
+def test_the_demo_ends_on_its_success_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    demo = subprocess.run([sys.executable, "-m", "supervisor.cli", "demo"], capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, timeout=180)
+    assert demo.returncode == 0, demo.stderr
+    assert demo.stdout.rstrip().endswith("retries reused the same bytes and key") and demo.stderr == "", demo.stderr
