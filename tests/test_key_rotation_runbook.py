@@ -99,8 +99,9 @@ def test_the_rotation_runbook_signs_with_the_new_key(platform, tmp_path):
             here = str(mounted / Path(staged_path).relative_to(mount))
             cli(env, "keys", "rotate", "--key-file", here, "--kid", kid)
             cli(env, "keys", "promote")
-            listed = cli(env, "keys", "list").stdout
-            assert re.search(rf"^{kid}\s+\(default\)\s+active\b", listed, re.M), listed
+            # A promotion takes effect one second after it commits, on every replica at once.
+            assert procs.wait_until(lambda: re.search(rf"^{kid}\s+\(default\)\s+active\b",
+                                                      cli(env, "keys", "list").stdout, re.M), 30)
             engine = make_engine(url)
             [key] = enqueue_many(engine, f"http://127.0.0.1:{receiver_port}", ["/ok"])
             assert procs.wait_until(lambda: any(a["key"] == key for a in procs.arrivals(log)), 60), \
