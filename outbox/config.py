@@ -197,6 +197,18 @@ def _is_origin(value: str) -> bool:
             and parts.path == "" and not parts.query and not parts.fragment)
 
 
+def normalize_database_url(url: str) -> str:
+    """``postgres://`` (Heroku's, libpq's and many platforms' spelling) as ``postgresql://``.
+
+    SQLAlchemy knows only the latter; the two name the same database.
+    """
+    scheme, sep, rest = url.partition("://")
+    base, plus, driver = scheme.partition("+")
+    if sep and base.lower() == "postgres":
+        return f"postgresql{plus}{driver}://{rest}"
+    return url
+
+
 def _parse_bool(name: str, raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -262,6 +274,8 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         return _parse_encryption_key(raw)
     if name == "encryption_old_keys":
         return _parse_old_keys(raw)
+    if name == "database_url":
+        return normalize_database_url(str(raw))
     if name == "sinks":
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         return tuple(s.strip() for s in items if str(s).strip())
@@ -307,7 +321,7 @@ def load_settings(
         section = data.get("outbox", data)
         for key, raw in section.items():
             if key not in known:
-                raise ConfigurationError(f"config file {path}: unknown setting {key!r}")
+                raise ConfigurationError(f"config file {path}: unknown setting {key!r}{did_you_mean(key, known)}")
             values[key] = _coerce(key, known[key], raw)
     for name, annotation in known.items():
         raw = env.get(ENV_PREFIX + name.upper())
@@ -332,12 +346,14 @@ def unknown_variables(env: Mapping[str, str]) -> list[str]:
     """
     valid = {ENV_PREFIX + f.name.upper() for f in fields(Settings) if f.name != "tenant_signing_keys"}
     valid |= OTHER_VARIABLES
-    messages = []
-    for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in valid):
-        close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.75)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        messages.append(f"{name} is not an outboxd setting and is ignored{hint}")
-    return messages
+    return [f"{name} is not an outboxd setting and is ignored{did_you_mean(name, valid)}"
+            for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in valid)]
+
+
+def did_you_mean(name: str, valid: Any) -> str:
+    """``"; did you mean X?"`` for the closest of ``valid`` to a misspelt ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def effective(settings: Settings) -> dict[str, Any]:

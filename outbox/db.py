@@ -15,12 +15,19 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from outbox.config import normalize_database_url
+
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def _parsed(url: str | URL) -> URL:
+    """``url`` as SQLAlchemy reads it, ``postgres://`` spelt ``postgresql://``."""
+    return make_url(normalize_database_url(url) if isinstance(url, str) else url)
 
 
 def _driver_url(url: str | URL, *, asynchronous: bool) -> URL:
     """Pick the driver this product is tested with, whatever the operator wrote."""
-    parsed = make_url(url)
+    parsed = _parsed(url)
     backend = parsed.get_backend_name()
     if backend == "postgresql":
         return parsed.set(drivername="postgresql+psycopg")
@@ -73,4 +80,4 @@ def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
 
 
 def is_postgresql(url: str | URL) -> bool:
-    return make_url(url).get_backend_name() == "postgresql"
+    return _parsed(url).get_backend_name() == "postgresql"

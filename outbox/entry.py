@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         require_outboxd_supervisor()
     except ConfigurationError as exc:
         print(f"outboxd: {exc}", file=sys.stderr)
-        return 2
+        return 1
     from supervisor.cli import main as cli_main
 
     return cli_main(argv)

@@ -58,9 +58,10 @@ async def ensure_attempt_partitions(engine: AsyncEngine, days_ahead: int = AHEAD
                                        {"days": days_ahead})).scalar_one())
 
 
-async def drop_attempt_partitions(engine: AsyncEngine, *, older_than: float) -> list[str]:
+async def drop_attempt_partitions(engine: AsyncEngine, *, older_than: float, dry_run: bool = False) -> list[str]:
     """Detach (``CONCURRENTLY``) and drop every partition whose rows are all older than
-    ``older_than`` seconds and than the longest retry horizon; the dropped names.
+    ``older_than`` seconds and than the longest retry horizon; the dropped names (with
+    ``dry_run``, the names it would drop, touching nothing).
 
     A detach interrupted earlier (its partition is left "detach pending") is finalized first.
     """
@@ -79,8 +80,9 @@ async def drop_attempt_partitions(engine: AsyncEngine, *, older_than: float) -> 
                 continue
             if float(match.group(1)) > now - max(older_than, MAX_HORIZON):
                 continue
-            how = "FINALIZE" if pending else "CONCURRENTLY"
-            await conn.execute(text(f'ALTER TABLE outbox_attempts DETACH PARTITION "{name}" {how}'))
-            await conn.execute(text(f'DROP TABLE "{name}"'))
+            if not dry_run:
+                how = "FINALIZE" if pending else "CONCURRENTLY"
+                await conn.execute(text(f'ALTER TABLE outbox_attempts DETACH PARTITION "{name}" {how}'))
+                await conn.execute(text(f'DROP TABLE "{name}"'))
             dropped.append(name)
     return dropped

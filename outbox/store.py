@@ -235,6 +235,7 @@ class _Statements:
             WHERE id IN (SELECT id FROM outbox_messages WHERE {finished} LIMIT :limit) AND {finished}
             RETURNING id
         """)
+        self.purge_count = text(f"SELECT count(*) FROM outbox_messages WHERE {finished}")
         self.purge_attempts = text("DELETE FROM outbox_attempts WHERE message_id IN :ids").bindparams(
             bindparam("ids", expanding=True))
         self.replay = text(f"""
@@ -460,6 +461,12 @@ async def purge_batch(conn: AsyncConnection, *, older_than: float, horizon_secon
     if ids:
         await conn.execute(sql(conn).purge_attempts, {"ids": ids})
     return len(ids)
+
+
+async def purge_count(conn: AsyncConnection, *, older_than: float, horizon_seconds: int) -> int:
+    """How many finished messages :func:`purge_batch` would delete now (``purge --dry-run``)."""
+    params = {"older_than": older_than, "horizon": horizon_seconds}
+    return int((await conn.execute(sql(conn).purge_count, params)).scalar_one())
 
 
 async def replay(conn: AsyncConnection, ids: Sequence[int], *, force: bool, horizon_seconds: int) -> list[int]:

@@ -204,7 +204,7 @@ def canonicalize_url(url: str) -> str:
     (non-ASCII, ``"<>[]^`{|}``) are percent-encoded as UTF-8, as RFC 3987 §3.1 maps an IRI
     to a URI, so httpx has nothing left to escape. The result is a fixed point of both the
     verifier's canonicalization and httpx's URL encoding: the daemon POSTs exactly this
-    string and the receiver rebuilds exactly it (see README "URL rules").
+    string and the receiver rebuilds exactly it (see docs/enqueue.md, "URL rules").
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()

@@ -5,7 +5,7 @@ gauge sampler timed from the client in both cases.
 The claim walks the partial index of pending rows per endpoint
 (``outbox_messages_endpoint_due_idx``, outbox/store.py), so its cost must not grow with
 history; the plan says whether it still does, the times how much. The
-gauges must not grow either (the scheduling work, issue 10, makes them read live rows only).
+gauges must not grow either (they read live rows only).
 """
 
 from __future__ import annotations

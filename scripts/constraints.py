@@ -1,7 +1,7 @@
 """Write deploy/constraints.txt: exact versions of everything the image installs.
 
-The image runs ``pip install -c deploy/constraints.txt .``, which installs the project's
-runtime dependencies (no extras) and what they pull in. This script resolves that closure
+The image runs ``pip install -c deploy/constraints.txt '.[ui]'``, which installs the
+project's runtime dependencies, the console's (the ``ui`` extra) and what they pull in. This script resolves that closure
 from the environment it runs in (a venv where outboxd's dependencies are installed) and
 pins each package to the version installed there, so the image gets what was tested.
 
@@ -55,7 +55,7 @@ def closure(requirements: list[str]) -> dict[str, str]:
 
 def render() -> str:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pins = closure(project["dependencies"])
+    pins = closure(project["dependencies"] + project["optional-dependencies"]["ui"])
     return HEADER + "".join(f"{name}=={version}\n" for name, version in sorted(pins.items()))
 
 

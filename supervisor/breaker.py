@@ -102,9 +102,10 @@ def apply_outcomes(
         transitions.append((state["state"], to.value))
         state["state"] = to.value
 
-    def trip() -> None:
+    def trip(failures: int) -> None:
+        """Open it; ``failures`` (what tripped it) stays on the row for operators until it closes."""
         state["trips"] += 1
-        state.update(failures=0, successes=0, probe_until=None, open_until=now + policy.open_period(state["trips"]),
+        state.update(failures=failures, successes=0, probe_until=None, open_until=now + policy.open_period(state["trips"]),
                      window_started_at=None, window_attempts=0, window_failures=0, previous_attempts=0,
                      previous_failures=0)
         move(CircuitState.OPEN)
@@ -122,10 +123,10 @@ def apply_outcomes(
             state["failures"] = 0 if ok else state["failures"] + 1  # the streak, for operators
             attempts, failures = window_counts(state, now, policy.window_seconds)
             if failures >= policy.failure_threshold and failures >= policy.failure_ratio * attempts:
-                trip()
+                trip(round(failures))
         elif current is CircuitState.HALF_OPEN:
             if not ok:
-                trip()
+                trip(state["failures"] + 1)  # the failed probe, on top of what tripped it before
                 continue
             state["successes"] += 1
             state["probe_until"] = None  # the next probe may go

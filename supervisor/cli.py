@@ -1,7 +1,7 @@
 """``outboxd``: the daemon and the operator's tools.
 
-Every subcommand exits 0 on success and prints a one-line error on stderr (exit 1 for
-anything the user can fix, 2 for a malformed command line); data-printing subcommands
+Every subcommand exits 0 on success and prints a one-line error on stderr: exit 2 for a
+malformed or impossible command line (argparse's convention), 1 for anything else; data-printing subcommands
 take ``--json``. Each subcommand lives in a module with a ``register(add)`` function;
 adding a module is one line in :data:`COMMAND_MODULES`.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 
 from outbox.config import ConfigurationWarning, Settings, load_settings
 from outbox.errors import ConfigurationError
-from supervisor.cli_common import UserError
+from supervisor.cli_common import UsageError, UserError
 from supervisor.metrics import package_version
 
 # Each module has ``register(add)``; the subcommands appear in --help in this order.
@@ -70,6 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = _warn_in_one_line
             settings = load_settings(args.config)
         return int(args.handler(args, settings) or 0)
+    except BrokenPipeError:
+        # `outboxd list | head`: the reader left; say nothing, and keep Python from complaining
+        # about the unflushed rest at exit. 141 is what a shell reports for a tool killed by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except UsageError as exc:
+        print(f"outboxd {args.command}: {exc} (see `outboxd {args.command} --help`)", file=sys.stderr)
+        return 2
     except (UserError, ConfigurationError, ValueError, OSError) as exc:
         print(f"outboxd {args.command}: {exc}", file=sys.stderr)
         return 1

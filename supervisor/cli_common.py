@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Protocol
 
 from outbox.config import Settings
@@ -23,6 +24,10 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 class UserError(Exception):
     """A problem the user can fix: printed as one line, exit status 1."""
+
+
+class UsageError(UserError):
+    """A command line that asks for something impossible (argparse's kind of error): exit status 2."""
 
 
 class Subcommands(Protocol):
@@ -75,13 +80,47 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
+def schema_problem(settings: Settings) -> str | None:
+    """Why the configured database cannot serve a command yet, as one line with the fix; or None.
+
+    An SQLite file that does not exist is reported without opening it: connecting would
+    create an empty database in the working directory.
+    """
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    path = url.database or ""
+    if url.get_backend_name() == "sqlite" and path not in ("", ":memory:") and not Path(path).exists():
+        return (f"no outbox database at {path} (OUTBOX_DATABASE_URL={url.render_as_string(hide_password=True)}): "
+                "run `outboxd migrate` to create it, or point OUTBOX_DATABASE_URL at yours")
+    return None
+
+
+async def _check_schema(engine: Any) -> None:
+    from outbox.migrate import check_schema
+
+    async with engine.connect() as conn:
+        check = await conn.run_sync(check_schema)
+    if check.verdict == "behind":
+        where = "has no outbox tables" if check.database is None else f"is at schema {check.database}"
+        raise UserError(f"the database {where}, this outboxd needs {check.code}: run `outboxd migrate`")
+    if check.verdict == "incompatible":
+        raise UserError(check.problem() or "")
+
+
 def with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
-    """Run ``await work(engine)`` against the configured database; the engine is disposed after."""
+    """Run ``await work(engine)`` against the configured, migrated database; the engine is
+    disposed after. An unmigrated database is a one-line :class:`UserError` naming the fix."""
     from outbox.db import make_async_engine
+
+    problem = schema_problem(settings)
+    if problem:
+        raise UserError(problem)
 
     async def go() -> Any:
         engine = make_async_engine(settings.database_url)
         try:
+            await _check_schema(engine)
             return await work(engine)
         finally:
             await engine.dispose()

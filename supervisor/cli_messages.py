@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -11,6 +12,7 @@ from outbox.config import Settings
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cli_common import (
     Subcommands,
+    UsageError,
     UserError,
     parse_duration,
     parse_time,
@@ -37,9 +39,10 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     m = data["messages"]
     print(f"messages   pending {m['pending']}  in_flight {m['in_flight']}  delivered {m['delivered']}  dead {m['dead']}")
-    print(f"oldest due {data['oldest_due_age_seconds']:.1f} s")
+    print(f"oldest due {data['oldest_due_age_seconds']:.1f} s" if m["pending"] else "oldest due none (nothing pending)")
     print("dead       " + (", ".join(f"{k} {v}" for k, v in data["dead_by_reason"].items()) or "none"))
-    print("breakers   " + (", ".join(f"{b['tenant_id']}@{b['origin']} {b['state']}" for b in data["open_breakers"])
+    print("breakers   " + (", ".join(f"{b['tenant_id']}@{b['origin']} {b['state']} ({b['failures']} failures, "
+                                     f"{b['trips']} trips)" for b in data["open_breakers"])
                            or "all closed"))
     print(f"encryption {data['encryption']}")
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
@@ -58,7 +61,16 @@ def filters_of(args: argparse.Namespace) -> Any:
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor import ops
 
-    rows = run_async(settings, lambda conn: ops.list_messages(conn, filters_of(args)))
+    filters = filters_of(args)
+
+    async def work(conn: Any) -> tuple[list[dict[str, Any]], int]:
+        rows = await ops.list_messages(conn, filters)
+        return rows, (await ops.count_matching(conn, filters) if len(rows) == filters.limit else len(rows))
+
+    rows, matched = run_async(settings, work)
+    if matched > len(rows):
+        print(f"showing the first {len(rows)} of {matched} matching messages: raise --limit or narrow the filter",
+              file=sys.stderr)
     if args.json:
         print_json(rows)
         return 0
@@ -82,6 +94,10 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
                 "next_attempt_at", "retry_until", "finished_at", "notification_type", "account_id", "subscriber_id",
                 "subscriber_state", "principal_id", "held"):
         print(f"{key:17} {data.get(key) if data.get(key) is not None else '-'}")
+    print(f"{'payload_size':17} {data['payload_size'] if data.get('payload_size') is not None else '-'}")
+    payload = data.get("payload")
+    print("payload          " + ("-" if payload is None else payload if isinstance(payload, str)
+                                 else json.dumps(payload, indent=2, ensure_ascii=False).replace("\n", "\n" + " " * 17)))
     print()
     table([(a["attempt_number"], a["occurred_at"], a["outcome"], a["http_status"], a["response_time_ms"],
             a["trigger"], a["error"]) for a in data["attempt_trail"]],
@@ -94,9 +110,9 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
 
     filtered = any((args.state, args.reason, args.tenant, args.key, args.url, args.since, args.until))
     if not args.ids and not filtered:
-        raise UserError("name message ids or at least one filter (--state, --reason, --tenant, --key, --url, --since)")
+        raise UsageError("name message ids or at least one filter (--state, --reason, --tenant, --key, --url, --since)")
     if args.ids and filtered:
-        raise UserError("name message ids or filters, not both")
+        raise UsageError("name message ids or filters, not both")
     if args.force:
         print("warning: --force replays past the retry horizon; the receiver's dedup window may be gone, "
               "so it may act on the message twice", file=sys.stderr)
@@ -123,7 +139,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
 def _breaker_key(key: str) -> tuple[str, str]:
     tenant, sep, rest = key.partition("@")
     if not sep or "://" not in rest:
-        raise UserError(f"breaker key {key!r} must be TENANT@ORIGIN, e.g. acme@https://buyer.example.com")
+        raise UsageError(f"breaker key {key!r} must be TENANT@ORIGIN, e.g. acme@https://buyer.example.com")
     return tenant, rest
 
 
@@ -132,7 +148,7 @@ def cmd_breakers(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.action == "reset":
         if not args.key:
-            raise UserError("breakers reset needs a key: TENANT@ORIGIN (see `outboxd breakers list`)")
+            raise UsageError("breakers reset needs a key: TENANT@ORIGIN (see `outboxd breakers list`)")
         tenant, origin = _breaker_key(args.key)
         found = run_async(settings, lambda conn: ops.reset_breaker(conn, tenant, origin))
         if not found:
@@ -161,8 +177,12 @@ def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
 
     async def work(engine: Any) -> tuple[int, list[str]]:
         # PostgreSQL: attempt history older than the retention goes by whole partitions first
-        dropped = (await drop_attempt_partitions(engine, older_than=older_than)
+        dropped = (await drop_attempt_partitions(engine, older_than=older_than, dry_run=args.dry_run)
                    if is_postgresql(settings.database_url) else [])
+        if args.dry_run:
+            async with engine.connect() as conn:
+                return await store.purge_count(conn, older_than=older_than,
+                                               horizon_seconds=settings.retry_horizon_seconds), dropped
         total = 0
         while True:  # one short transaction per batch: never a long lock on the table
             async with engine.begin() as conn:
@@ -174,7 +194,10 @@ def cmd_purge(args: argparse.Namespace, settings: Settings) -> int:
 
     total, dropped = with_engine(settings, work)
     if args.json:
-        print_json({"deleted": total, "dropped_attempt_partitions": dropped})
+        print_json({"dry_run": args.dry_run, "deleted": total, "dropped_attempt_partitions": dropped})
+    elif args.dry_run:
+        print(f"would delete {total} finished message(s) and their attempts; would drop {len(dropped)} attempt "
+              f"partition(s) older than the retention{': ' + ', '.join(dropped) if dropped else ''}")
     else:
         print(f"deleted {total} finished message(s) and their attempts; "
               f"dropped {len(dropped)} attempt partition(s) older than the retention")
@@ -223,4 +246,5 @@ def register(add: Subcommands) -> None:
                    help="retention, e.g. 30d; nothing inside its retry horizon or the activity "
                         "retention (OUTBOX_ACTIVITY_RETENTION_DAYS, >= 30) is ever deleted")
     p.add_argument("--batch", type=positive_int, default=1000, help="rows per transaction (default 1000)")
+    p.add_argument("--dry-run", action="store_true", help="count what would be deleted, delete nothing")
     _json_flag(p)

@@ -18,7 +18,7 @@ from outbox.config import Settings
 from outbox.schema import attempts, messages, subscribers
 from outbox.subscribers import Subscriber, _record
 from outbox.urls import public_url
-from supervisor.cli_common import Subcommands, UserError, positive_int, print_json, run_async, table
+from supervisor.cli_common import Subcommands, UsageError, UserError, positive_int, print_json, run_async, table
 from supervisor.ops import rfc3339
 
 
@@ -89,7 +89,7 @@ def cmd_subscribers(args: argparse.Namespace, settings: Settings) -> int:
                   ["TENANT", "ACCOUNT", "SUBSCRIBER", "STATE", "EVENTS", "PROVEN", "URL"])
         return 0
     if not (args.tenant and args.account and args.subscriber):
-        raise UserError("show needs --tenant, --account and SUBSCRIBER_ID")
+        raise UsageError("show needs --tenant, --account and SUBSCRIBER_ID")
     data = run_async(settings, lambda conn: show_row(conn, args.tenant, args.account, args.subscriber))
     if data is None:
         raise UserError(f"no subscriber {args.subscriber!r} on {args.tenant}/{args.account}")

@@ -12,7 +12,7 @@ refuses any SDK ``webhook_supervisor`` next to ``webhook_signing_managed_externa
 and without external management it demands the SDK's own ``PgTaskWebhookOutbox`` when
 ``webhook_signing.supported`` is advertised, and otherwise rejects every push-configured
 task at request time (``_validate_handoff_push_ownership``). For task webhooks, enqueue
-inside the seller's transaction instead (README, "With the adcp SDK").
+inside the seller's transaction instead (docs/sdk.md).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class SigningKey:
         """The JWK to publish at the seller's ``jwks_uri`` (docs/protocol.md "Signing").
 
         ``adcp_use`` is ``request-signing``, the canonical purpose for webhooks; the older
-        ``webhook-signing`` is deprecated (issue #5555) though verifiers still accept it.
+        ``webhook-signing`` is deprecated though verifiers still accept it.
         """
         public = self.private_key.public_key()
         if isinstance(public, ec.EllipticCurvePublicKey):

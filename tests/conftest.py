@@ -44,6 +44,18 @@ def pg_url(pg_server_url: str) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture
+def fresh_db(pg_server_url: str) -> Iterator[str]:
+    """A PostgreSQL database of its own, not migrated: for tests that change the schema or
+    need it absent."""
+    name = f"outboxd_fresh_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield make_url(pg_server_url).set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(pg_server_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def _truncate(engine: Engine) -> None:
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":

@@ -20,7 +20,7 @@ import uuid
 
 import psycopg
 
-from tests.pgserver import _pg_bin
+from tests.pgserver import _pg_bin, run_as_postgres
 
 
 def free_port() -> int:
@@ -39,10 +39,9 @@ class PgCluster:
         self._initdb, self._pg_ctl = initdb, pg_ctl
         self.datadir = tempfile.mkdtemp(prefix="outboxd-pgcluster-")
         self.port = free_port()
-        self._run_as: list[str] = []
-        if os.geteuid() == 0:  # initdb and postgres refuse to run as root
+        self._run_as = run_as_postgres()
+        if self._run_as:
             shutil.chown(self.datadir, "postgres")
-            self._run_as = ["runuser", "-u", "postgres", "--"]
         subprocess.run([*self._run_as, initdb, "-D", self.datadir, "-U", "postgres", "--auth=trust",
                         "--no-sync"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         options = [f"-p {self.port}", f"-k {self.datadir}", "-c listen_addresses=127.0.0.1",

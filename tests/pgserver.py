@@ -38,6 +38,20 @@ def _pg_bin(name: str) -> str | None:
     return candidates[0] if candidates else None
 
 
+def run_as_postgres() -> list[str]:
+    """The command prefix that runs initdb, pg_ctl and postgres as ``postgres`` (they refuse root).
+
+    ``runuser`` lives in ``/usr/sbin`` on Debian, which a non-login root shell may not have
+    on ``PATH``, so the system directories are searched too.
+    """
+    if os.geteuid() != 0:
+        return []
+    found = shutil.which("runuser") or shutil.which("runuser", path="/usr/sbin:/sbin:/usr/bin:/bin")
+    if found is None:
+        raise RuntimeError("running as root needs `runuser` (util-linux) to start PostgreSQL as postgres")
+    return [found, "-u", "postgres", "--"]
+
+
 def _start_throwaway() -> str:
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     if not (initdb and pg_ctl):
@@ -49,10 +63,9 @@ def _start_throwaway() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_as: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses to run as root
+    run_as = run_as_postgres()
+    if run_as:
         shutil.chown(datadir, "postgres")
-        run_as = ["runuser", "-u", "postgres", "--"]
     subprocess.run([*run_as, initdb, "-D", datadir, "-U", "postgres", "--auth=trust"], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     subprocess.run([*run_as, pg_ctl, "-D", datadir, "-w", "-l", os.path.join(datadir, "log"),

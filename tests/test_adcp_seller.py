@@ -4,7 +4,7 @@ Every piece is the real thing on 127.0.0.1: ``docs/examples/adcp_seller.py`` in 
 process (the SDK's ``DecisioningPlatform`` served over MCP), the daemon process, an
 ``ADCPClient`` buyer, and a receiver built on the SDK's ``WebhookReceiver`` that verifies
 each delivery against the JWKS the seller serves. One SQLite file (the default database)
-is shared by the seller and the daemon, as in the README.
+is shared by the seller and the daemon, as in docs/sdk.md.
 """
 
 from __future__ import annotations

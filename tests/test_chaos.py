@@ -16,9 +16,8 @@ What must hold at the end (``check_ledger`` in ``tests/test_db_faults.py``):
   short by SIGKILL having its ``abandoned`` row), and there are at least as many rows as
   arrivals; exactly one ``success`` row per message.
 
-The daemon runs with the **default** breaker, back-off, lease and claim settings: a mostly-working buyer must keep receiving under them (the issue this test was
-rebuilt for: a streak breaker tripped on 30 % random failures and starved such buyers for
-minutes). Two settings are shortened because they are not what is under test: the
+The daemon runs with the **default** breaker, back-off, lease and claim settings: a mostly-working buyer must keep receiving under them (a breaker that
+counted streaks would trip on 30 % random failures and starve such buyers for minutes). Two settings are shortened because they are not what is under test: the
 connect/read timeouts (1 s / 2 s; a default 10 s read timeout would make each "hang" hold a
 slot for 10 s and the run several minutes long, and it is tested in test_transport.py) and
 the shutdown grace (only the final SIGTERM uses it); the concurrency is raised for

@@ -177,16 +177,16 @@ def test_config_prints_the_effective_settings_with_secrets_masked(tmp_path, caps
     assert json.loads(out)["concurrency"] == 7 and "SENTINEL" not in out
 
 
-def _readme_config_rows() -> dict[str, str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Configuration"):]
+def _documented_config_rows() -> dict[str, str]:
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    section = page[page.index("## Settings"):]
     section = section[:section.index("\n## ", 1)]
     rows = re.findall(r"^\| `(OUTBOX_[A-Z_]+|\[outbox\.tenant_signing_keys\])` \| (.*?) \|", section, re.M)
     return dict(rows)
 
 
-def test_readme_configuration_table_lists_every_setting_with_its_default():
-    rows = _readme_config_rows()
+def test_configuration_table_lists_every_setting_with_its_default():
+    rows = _documented_config_rows()
     expected = {}
     for name, value in effective(Settings()).items():
         variable = "[outbox.tenant_signing_keys]" if name == "tenant_signing_keys" else f"OUTBOX_{name.upper()}"

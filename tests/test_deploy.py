@@ -50,6 +50,7 @@ GAUGES = {
     "outbox_breakers",
     "outbox_in_flight_requests",
     "outbox_build_info",
+    "outbox_signing_active_keys",  # keys able to sign now, per daemon (and scope): 0 holds webhooks
 }
 HISTOGRAMS = {
     "outbox_attempt_duration_seconds",
@@ -220,6 +221,19 @@ def test_alert_rules_cover_the_required_conditions():
     assert find('sum(outbox_breakers{state="open"}) > 0')["for"] == "10m"
     signature = find('increase(outbox_dead_letters_total{reason="signature_rejected"}[15m])')
     assert signature["expr"].rstrip().endswith("> 0")
+    no_key = find("(outbox_signing_active_keys) == 0")
+    assert no_key["labels"]["severity"] == "critical" and "docs/operations.md" in no_key["annotations"]["runbook"]
+
+
+def test_dashboard_reads_only_the_states_the_messages_gauge_has():
+    """``outbox_messages`` is sampled from the live rows' partial indexes: pending and in_flight only."""
+    live = {"pending", "in_flight"}
+    selectors = [m for expr in _dashboard_exprs(json.loads(DASHBOARD.read_text(encoding="utf-8")))
+                 for m in re.findall(r'outbox_messages\{([^}]*)\}', expr)]
+    assert selectors
+    for selector in selectors:
+        states = re.search(r'state=~?"([^"]*)"', selector)
+        assert states and set(states.group(1).split("|")) <= live, selector
 
 
 def test_alert_rules_are_documented_and_use_known_metrics():
@@ -334,8 +348,8 @@ def test_compose_runs_two_daemons_after_a_one_shot_migrate():
     for name in daemons:
         daemon = services[name]
         assert daemon["depends_on"]["migrate"]["condition"] == "service_completed_successfully", name
-        assert daemon["environment"]["OUTBOX_SIGNING_KEY_FILE"] == "/run/secrets/outbox_signing_key"
-        assert "outbox_signing_key" in daemon["secrets"]
+        key_file = daemon["environment"]["OUTBOX_SIGNING_KEY_FILE"]
+        assert any(f":{Path(key_file).parent}:ro" in v for v in daemon["volumes"]), (name, key_file)
         for key in ("OUTBOX_DATABASE_URL", "OUTBOX_SIGNING_KEY_ID", "OUTBOX_METRICS_ADDR", "OUTBOX_RETRY_HORIZON_SECONDS"):
             assert key in daemon["environment"], (name, key)
         assert daemon["environment"]["OUTBOX_DATABASE_URL"].startswith("postgresql")
@@ -343,7 +357,24 @@ def test_compose_runs_two_daemons_after_a_one_shot_migrate():
         assert (COMPOSE.parent / daemon["build"]["context"] / "pyproject.toml").is_file() or (
             COMPOSE.parent / daemon["build"]["context"]
         ).resolve() == ROOT
-    assert "file" in compose["secrets"]["outbox_signing_key"]
+    assert "secrets" not in compose  # file secrets keep the host's mode: the keys are a read-only directory mount
+
+
+def test_compose_header_never_makes_a_private_key_world_readable():
+    header = [line for line in COMPOSE.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
+    modes = [m for line in header for m in re.findall(r"chmod\s+(?:-R\s+)?(0?[0-7]{3})", line)]
+    assert modes and all(int(m, 8) & 0o077 == 0 for m in modes), modes
+    assert any("chown" in line and "10001" in line for line in header)
+
+
+def test_compose_runs_the_console_from_the_same_image():
+    services = _compose()["services"]
+    console = services["console"]
+    assert _command(console) == ["ui"] and console["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert console["environment"]["OUTBOX_UI_ADDR"].endswith(":8465")
+    assert console["environment"]["OUTBOX_UI_TOKEN"].startswith("${OUTBOX_UI_TOKEN:?")  # never a default token
+    assert all(p.startswith("127.0.0.1:") for p in console["ports"])
+    assert "/login" in " ".join(console["healthcheck"]["test"])
 
 
 def test_compose_mounts_monitoring_files_that_exist():
@@ -385,14 +416,13 @@ def test_dockerfile_contract():
     args = dict(a.split("=", 1) for a in by_kind.get("ARG", []) if "=" in a)
     froms = [re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), f) for f in by_kind["FROM"]]
     assert len(froms) >= 2 and all(f.startswith("python:3.11-slim") for f in froms), froms
-    assert any("pip install" in r and " ." in r for r in by_kind["RUN"])
     user = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), by_kind["USER"][-1])
     assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"USER must be numeric uid:gid (runAsNonRoot), got {user}"
     for manifest in ("deployment.yaml", "migrate-job.yaml"):
         (doc,) = _load_yaml(DEPLOY / "kubernetes" / manifest)
         pod = doc["spec"]["template"]["spec"]["securityContext"]
         assert f"{pod['runAsUser']}:{pod['runAsGroup']}" == user, manifest
-    assert any("pip install -c deploy/constraints.txt ." in r for r in by_kind["RUN"])
+    assert any("pip install -c deploy/constraints.txt '.[ui]'" in r for r in by_kind["RUN"])  # with the console
     assert json.loads(by_kind["ENTRYPOINT"][-1]) == ["outboxd"]
     assert json.loads(by_kind["CMD"][-1]) == ["run"]
     assert "9464" in by_kind["EXPOSE"][-1].split()
@@ -433,9 +463,15 @@ def test_dockerfile_healthcheck_really_probes_healthz(status, healthy):
 
 
 def test_dockerfile_context_keeps_the_package_sources():
-    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").split()
-    for needed in ("!pyproject.toml", "!outbox/", "!supervisor/", "!sinks/", "!deploy/constraints.txt"):
+    """The repository root's .dockerignore (BuildKit and the classic builder both read it)."""
+    assert not (DEPLOY / "Dockerfile.dockerignore").exists()  # it would take precedence over the root one
+    ignore = (ROOT / ".dockerignore").read_text(encoding="utf-8").split()
+    assert ignore.index("*") < ignore.index("!pyproject.toml")  # everything out, then the sources back in
+    for needed in ("!pyproject.toml", "!README.md", "!LICENSE", "!outbox/", "!supervisor/", "!sinks/",
+                   "!deploy/constraints.txt"):
         assert needed in ignore
+    for kept_out in ("**/*.pem", "**/*.db"):
+        assert kept_out in ignore
 
 
 # --------------------------------------------------------------------------- systemd
@@ -480,6 +516,16 @@ def test_systemd_unit_contract():
     }.items():
         assert service.get(key) == value, key
     assert _seconds(service["TimeoutStopSec"]) > 15, "must exceed the daemon's 15 s shutdown grace"
+    # The keys reach the DynamicUser through LoadCredential=ID:DIRECTORY: systemd loads every file
+    # of the directory as credential ID_FILE, at %d/ID_FILE (systemd.exec(5)). The keyring records
+    # that path, so a key added to the directory is at a path known before the restart loads it.
+    (credential,) = [v for k, v in unit["Service"] if k == "LoadCredential"]
+    name, _, directory = credential.partition(":")
+    assert directory == "/etc/outboxd/keys" and not directory.endswith((".pem", ".jwk"))
+    environment = dict(v.split("=", 1) for k, v in unit["Service"] if k == "Environment")
+    assert environment["OUTBOX_SIGNING_KEY_FILE"] == f"%d/{name}_signing-key.pem"
+    header = (SYSTEMD / "outboxd.service").read_text(encoding="utf-8")
+    assert "--out /etc/outboxd/keys/signing-key.pem" in header
     assert "WantedBy" in dict(unit["Install"])
 
 
@@ -553,10 +599,15 @@ def test_kubernetes_deployment_contract():
 
     key_mount = next(m for m in container["volumeMounts"] if m["name"] == "signing-key")
     assert key_mount["readOnly"] is True
+    assert "subPath" not in key_mount  # a subPath mount never sees a key added to the Secret
     key_volume = next(v for v in pod["volumes"] if v["name"] == "signing-key")
     assert key_volume["secret"]["secretName"]
-    key_path = f"{key_mount['mountPath']}/{key_volume['secret']['items'][0]['path']}"
-    assert config["OUTBOX_SIGNING_KEY_FILE"] == key_path
+    # Every key of the Secret is a file of the mount, so a rotated-in key appears in running pods
+    # at a path every replica shares (the keyring records paths).
+    assert "items" not in key_volume["secret"]
+    (example,) = [d for d in _load_yaml(KUBE / "secrets.example.yaml")
+                  if d["metadata"]["name"] == key_volume["secret"]["secretName"]]
+    assert config["OUTBOX_SIGNING_KEY_FILE"] in {f"{key_mount['mountPath']}/{k}" for k in example["stringData"]}
     assert config["OUTBOX_METRICS_ADDR"].endswith(":9464")
     assert {"OUTBOX_SIGNING_KEY_ID", "OUTBOX_RETRY_HORIZON_SECONDS"} <= config.keys()
 

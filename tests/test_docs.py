@@ -86,6 +86,8 @@ def _documented_commands() -> list[tuple[str, str]]:
             text = text_of(name) or ""
             found += [(name, m) for m in re.findall(r"`outboxd ([^`]+)`", text)]
             found += [(name, m) for m in re.findall(r"^ExecStart=\S*/outboxd (.+)$", text, re.M)]
+            if name.endswith(".md"):  # command lines in code blocks, without their comments
+                found += [(name, m.strip()) for m in re.findall(r"^(?: {4,}|\t)(?:\S*/)?outboxd ([^#\n]+)", text, re.M)]
     return found
 
 

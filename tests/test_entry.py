@@ -38,7 +38,7 @@ def test_a_foreign_supervisor_package_stops_outboxd_with_one_actionable_line(tmp
     (tmp_path / "site").mkdir()
     package = fake_supervisord(tmp_path / "site")
     result = run_outboxd(tmp_path, "status", path_first=tmp_path / "site")
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == 1 and result.stdout == ""
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
     assert str(package / "__init__.py") in lines[0]

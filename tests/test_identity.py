@@ -1,4 +1,4 @@
-"""Per-tenant identity, binding, and tenant-scoped gapless streams (issue 9 points 1 and 2).
+"""Per-tenant identity, binding, and tenant-scoped gapless streams.
 
 Every test runs against real PostgreSQL and a real SQLite file (the ``engine`` fixture).
 """

@@ -145,20 +145,22 @@ def test_two_daemons_rotate_and_revoke_while_delivering(pg_engine, pg_url, tmp_p
     retried = [keyid(a) for a in arrivals if a["key"] == flaky]
     assert len(retried) == 7 and retried[0] == procs.KEY_ID and retried[-1] == "k2", retried
 
-    # Each daemon switched at the switch instant: its last old signature was made before it,
-    # its first new one within one claim cycle (OUTBOX_POLL_INTERVAL_SECONDS) after it, give or
-    # take `created`'s one-second resolution. (Arrival times would measure the receiver, which
-    # verifies one request at a time and falls seconds behind on a loaded machine.)
+    # Each daemon switched at the switch instant, whichever attempts it happened to claim: its
+    # last old signature was made before it and its first new one not before it (`created` is
+    # the signing time's whole second). When a daemon's first new signature comes depends on
+    # when it next wins a claim against the other daemon, not on the switch, so it is printed,
+    # not bounded. (Arrival times would measure the receiver, which verifies one request at a
+    # time and falls seconds behind on a loaded machine.)
     by_daemon = _arrivals_by_daemon(pg_engine, arrivals)
     assert len(by_daemon) == 2
-    poll = float(envs[0]["OUTBOX_POLL_INTERVAL_SECONDS"])
     for daemon_id, seen in by_daemon.items():
         last_old = max(created(a) for a in seen if keyid(a) == procs.KEY_ID)
         first_new = min(created(a) for a in seen if keyid(a) == "k2")
         print(f"{daemon_id}: switch at {switch_at:.3f}; last {procs.KEY_ID} signature created {last_old}, "
               f"first k2 created {first_new}; receiver lag up to "
               f"{max(a['t'] - created(a) for a in seen):.1f} s")
-        assert last_old <= switch_at and int(switch_at) <= first_new <= switch_at + poll + 1, daemon_id
+        assert last_old <= switch_at and int(switch_at) <= first_new, daemon_id
+        assert all(keyid(a) == "k2" for a in seen if created(a) > switch_at), daemon_id
 
 
 def _serves(url: str) -> bool:

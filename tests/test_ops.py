@@ -89,7 +89,7 @@ def test_status_list_show_breakers_purge_and_errors(pg_engine, pg_url, capsys, m
     code, out, _ = cli(capsys, monkeypatch, pg_url, "breakers", "list", "--json")
     assert json.loads(out)[0]["state"] == "open"
     assert cli(capsys, monkeypatch, pg_url, "breakers", "reset", "tenant-0@http://127.0.0.1:9")[0] == 0
-    assert cli(capsys, monkeypatch, pg_url, "breakers", "reset", "bad-key")[0] == 1
+    assert cli(capsys, monkeypatch, pg_url, "breakers", "reset", "bad-key")[0] == 2  # a usage error
     code, out, _ = cli(capsys, monkeypatch, pg_url, "replay", "2")
     assert "refused 2: state is pending" in out
     code, out, _ = cli(capsys, monkeypatch, pg_url, "replay", "1")
@@ -102,7 +102,7 @@ def test_status_list_show_breakers_purge_and_errors(pg_engine, pg_url, capsys, m
         conn.execute(messages.update().where(messages.c.id == 2).values(state="delivered", finished_at=1.0,
                                                                         retry_until=9e9))
     code, out, _ = cli(capsys, monkeypatch, pg_url, "purge", "--older-than", "1d", "--json")
-    assert json.loads(out) == {"deleted": 1, "dropped_attempt_partitions": []}  # 2: inside its horizon
+    assert json.loads(out) == {"dry_run": False, "deleted": 1, "dropped_attempt_partitions": []}  # 2: inside its horizon
 
 
 def test_purge_rejects_bad_duration():

@@ -4,11 +4,8 @@ made ahead, dropped whole by purge without blocking delivery's inserts."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -23,17 +20,6 @@ from outbox.partitions import AHEAD_DAYS, DAY, drop_attempt_partitions, ensure_a
 OLD_INSERT = ("INSERT INTO outbox_attempts (message_id, tenant_id, url, attempt_number, outcome, will_retry, "
               "idempotency_key, trigger{extra}) VALUES (%s, 't', 'https://b.example/h', 1, 'success', false, "
               "'whk_k', 'scheduled'{values})")
-
-
-@pytest.fixture
-def fresh_db(pg_server_url: str) -> Iterator[str]:
-    """A database of its own: these tests change the partitions, which other tests share."""
-    name = f"outboxd_parts_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_server_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield make_url(pg_server_url).set(database=name).render_as_string(hide_password=False)
-    with psycopg.connect(pg_server_url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _dsn(url: str) -> str:

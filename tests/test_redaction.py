@@ -1,4 +1,4 @@
-"""Nothing secret printed, one origin function, sendable legacy credentials (issue 9 points 4, 5).
+"""Nothing secret printed, one origin function, sendable legacy credentials.
 
 Real PostgreSQL and SQLite; the daemon's own claim, attempt and completer code records the
 attempts, and the CLI prints them.

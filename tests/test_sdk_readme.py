@@ -1,4 +1,4 @@
-"""The README's "With the adcp SDK" section, and ``OutboxWebhookSupervisor`` as it documents it.
+"""docs/sdk.md, "With the adcp SDK", and ``OutboxWebhookSupervisor`` as it documents it.
 
 Each python block of the section is either an excerpt of docs/examples/adcp_seller.py
 (which tests/test_adcp_seller.py runs end to end), checked here to match it line for line,
@@ -29,9 +29,7 @@ EXAMPLE = (ROOT / "docs" / "examples" / "adcp_seller.py").read_text().splitlines
 
 
 def sdk_section() -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("## With the `adcp` SDK")
-    return readme[start:readme.index("\n## ", start + 1)]
+    return (ROOT / "docs" / "sdk.md").read_text()
 
 
 def python_blocks() -> list[str]:
@@ -56,7 +54,7 @@ def test_the_section_shows_the_example_and_how_to_start_it():
     assert "python docs/examples/adcp_seller.py --port 3001" in sdk_section()
     assert "adcp==9.2.0" in (ROOT / "pyproject.toml").read_text() and "adcp==9.2.0" in sdk_section()
     for block in blocks:  # excerpts of a method body compile inside a coroutine
-        compile("async def excerpt():\n" + textwrap.indent(textwrap.dedent(block), "    "), "README.md", "exec")
+        compile("async def excerpt():\n" + textwrap.indent(textwrap.dedent(block), "    "), "docs/sdk.md", "exec")
     standalone = [b for b in blocks if not excerpt_of_example(b)]
     assert len(standalone) == 1 and "OutboxWebhookSupervisor" in standalone[0], standalone
 
@@ -70,7 +68,7 @@ def test_excerpt_check_catches_an_edited_snippet():
 def _run_readme_supervisor_snippet(async_engine: Any) -> Any:
     (snippet,) = [b for b in python_blocks() if not excerpt_of_example(b)]
     namespace: dict[str, Any] = {"async_engine": async_engine}
-    exec(snippet, namespace)  # as written in the README
+    exec(snippet, namespace)  # as written in docs/sdk.md
     return namespace["webhook_supervisor"]
 
 
@@ -111,7 +109,7 @@ def test_outbox_webhook_supervisor_enqueues_sdk_models_durably(engine):
 
 
 def test_the_sdk_refuses_it_as_its_webhook_supervisor(sqlite_url):
-    """Why the README says "not pluggable": adcp 9.2.0's own boot check, run for real."""
+    """Why docs/sdk.md says "cannot be the SDK's webhook_supervisor": adcp 9.2.0's own boot check, run for real."""
     from adcp.decisioning import AdcpError, DecisioningCapabilities, DecisioningPlatform, SingletonAccounts
     from adcp.decisioning import create_adcp_server_from_platform
     from adcp.decisioning.capabilities import WebhookSigning

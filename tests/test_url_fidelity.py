@@ -2,7 +2,7 @@
 
 Every generated URL goes through the producer's ``validate_destination`` (refused ones must
 raise ``OutboxValidationError`` naming ``url``, and only for the reasons listed in the
-README "URL rules"), is signed by the daemon's signer, POSTed by the real ``HttpSender`` to
+docs/enqueue.md, "URL rules"), is signed by the daemon's signer, POSTed by the real ``HttpSender`` to
 the project's receiver on 127.0.0.1, which rebuilds the URL from the request line and
 ``Host`` and verifies with the adcp SDK's ``verify_webhook_signature``. One receiver and
 one sender serve every example (keep-alive), so 500 examples take a few seconds.
@@ -75,7 +75,7 @@ QUERY = st.none() | st.lists(
 
 
 def refusal_expected(path: str, query: str | None) -> str | None:
-    """The README "URL rules" refusal class a raw path and query falls in, if any."""
+    """The docs/enqueue.md "URL rules" refusal class a raw path and query falls in, if any."""
     raw = path + ("" if query is None else "?" + query)
     if re.search(r"[\s\x00-\x1f\x7f]", raw):
         return "whitespace or control character"

@@ -1,6 +1,6 @@
 """An AdCP seller on the ``adcp`` SDK's framework whose task webhooks ``outboxd`` delivers.
 
-Started by one command (README, "With the adcp SDK"), with the same ``OUTBOX_*`` variables
+Started by one command (docs/sdk.md), with the same ``OUTBOX_*`` variables
 the daemon reads, so both agree on the database, the signing key and the retry horizon::
 
     python docs/examples/adcp_seller.py --port 3001

@@ -1,0 +1,172 @@
+"""The CLI where an operator first bumps into it: an unmigrated database, a pipe closed early,
+a cut listing, a dry run, exit statuses, URL spellings, typos. Real SQLite files and a real
+PostgreSQL database; the pipe test runs the real ``outboxd`` process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from outbox.config import load_settings
+from outbox.schema import breakers, messages
+from tests.test_cli import cli, dead_with_an_attempt, one_line, url_of
+from tests.test_e2e import enqueue_many
+
+ROOT = Path(__file__).resolve().parent.parent
+READ_COMMANDS = [["status"], ["list"], ["show", "1"], ["breakers", "list"], ["keys", "list"], ["keys", "jwks"],
+                 ["encryption", "status"], ["subscribers", "list"], ["purge", "--older-than", "30d", "--dry-run"]]
+
+
+@pytest.mark.parametrize("args", READ_COMMANDS, ids=" ".join)
+def test_a_missing_sqlite_database_is_one_line_with_the_fix_and_never_created(args, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)  # the default: sqlite:///outbox.db, here
+    code, out, err = cli(capsys, monkeypatch, None, *args)
+    assert code == 1 and out == "" and one_line(err), err
+    assert "outboxd migrate" in err and "outbox.db" in err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args", READ_COMMANDS[:6], ids=" ".join)
+def test_an_unmigrated_database_is_one_line_with_the_fix(args, fresh_db, tmp_path, capsys, monkeypatch):
+    empty_sqlite = tmp_path / "empty.db"
+    empty_sqlite.touch()
+    for url in (fresh_db, f"sqlite:///{empty_sqlite}"):
+        code, out, err = cli(capsys, monkeypatch, url, *args)
+        assert code == 1 and out == "" and one_line(err), err
+        assert "has no outbox tables" in err and "run `outboxd migrate`" in err
+    with sqlite3.connect(empty_sqlite) as conn:  # nothing was created in it either
+        assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
+
+
+def test_postgres_scheme_is_accepted_as_postgresql(pg_engine, capsys, monkeypatch):
+    url = url_of(pg_engine).replace("postgresql+psycopg://", "postgres://")
+    assert url.startswith("postgres://")
+    code, out, err = cli(capsys, monkeypatch, url, "status", "--json")
+    assert code == 0, err
+    assert json.loads(out)["messages"]["pending"] == 0
+    assert load_settings(env={"OUTBOX_DATABASE_URL": url}).database_url.startswith("postgresql://")
+
+
+def test_status_says_none_due_rather_than_zero_seconds(sqlite_engine, capsys, monkeypatch):
+    code, out, _ = cli(capsys, monkeypatch, url_of(sqlite_engine), "status")
+    assert code == 0 and "oldest due none (nothing pending)" in out and "0.0 s" not in out
+    enqueue_many(sqlite_engine, "https://buyer.example/hook", [""])
+    code, out, _ = cli(capsys, monkeypatch, url_of(sqlite_engine), "status")
+    assert code == 0 and re.search(r"^oldest due \d+\.\d s$", out, re.M), out
+
+
+def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):
+    from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
+
+    policy = CircuitBreakerPolicy()  # the defaults: a dead endpoint trips on its 10th failure
+    row, _ = apply_outcomes(closed_row("acme", "https://buyer.example"), [False] * 10, now=100.0, policy=policy)
+    assert row["state"] == "open"
+    with sqlite_engine.begin() as conn:
+        conn.execute(breakers.insert().values(**row))
+    url = url_of(sqlite_engine)
+    [listed] = json.loads(cli(capsys, monkeypatch, url, "breakers", "list", "--json")[1])
+    assert listed["failures"] == 10
+    _, out, _ = cli(capsys, monkeypatch, url, "status")
+    assert "acme@https://buyer.example open (10 failures, 1 trips)" in out
+    probing = {**row, "state": "half_open"}  # its open period ended; a probe goes, and fails
+    again, _ = apply_outcomes(probing, [False], now=row["open_until"] + 1, policy=policy)
+    assert again["state"] == "open" and again["failures"] == 11
+
+
+def test_list_says_when_its_limit_cut_the_listing(sqlite_engine, capsys, monkeypatch):
+    enqueue_many(sqlite_engine, "https://buyer.example/hook", [""] * 3)
+    url = url_of(sqlite_engine)
+    code, out, err = cli(capsys, monkeypatch, url, "list", "--limit", "2")
+    assert code == 0 and len(out.splitlines()) == 3  # header + 2
+    assert err == "showing the first 2 of 3 matching messages: raise --limit or narrow the filter\n"
+    code, out, err = cli(capsys, monkeypatch, url, "list", "--limit", "3", "--json")
+    assert code == 0 and len(json.loads(out)) == 3 and err == ""
+
+
+def test_text_show_includes_the_payload_masked_as_json_show_does(sqlite_engine, capsys, monkeypatch):
+    enqueue_many(sqlite_engine, "https://buyer.example/hook", [""])
+    url = url_of(sqlite_engine)
+    shown = json.loads(cli(capsys, monkeypatch, url, "show", "1", "--json")[1])
+    code, out, _ = cli(capsys, monkeypatch, url, "show", "1")
+    assert code == 0 and shown["payload"] and f"payload_size      {shown['payload_size']}" in out
+    text_payload = out[out.index("payload          ") + 17:out.index("\n\n")]
+    assert json.loads(text_payload) == shown["payload"]
+    assert "[redacted]" in text_payload  # the buyer's token, as in the JSON view
+    with sqlite_engine.connect() as conn:
+        body = conn.execute(messages.select()).one().body
+    token = json.loads(body)["push_notification_config"]["token"] if b"push_notification_config" in body else None
+    assert token is None or token not in out
+
+
+def test_purge_dry_run_counts_and_deletes_nothing(engine, capsys, monkeypatch):
+    dead_with_an_attempt(engine, n=2, horizon=1.0)
+    url = url_of(engine)
+    monkeypatch.setenv("OUTBOX_ACTIVITY_RETENTION_DAYS", "30")
+    code, out, _ = cli(capsys, monkeypatch, url, "purge", "--older-than", "30d", "--dry-run", "--json")
+    assert code == 0 and json.loads(out) == {"dry_run": True, "deleted": 2, "dropped_attempt_partitions": []}
+    code, out, _ = cli(capsys, monkeypatch, url, "purge", "--older-than", "30d", "--dry-run")
+    assert code == 0 and out.startswith("would delete 2 finished message(s)")
+    with engine.connect() as conn:
+        assert conn.execute(messages.select()).all()
+    code, out, _ = cli(capsys, monkeypatch, url, "purge", "--older-than", "30d", "--json")
+    assert code == 0 and json.loads(out)["deleted"] == 2 and json.loads(out)["dry_run"] is False
+
+
+@pytest.mark.parametrize("args", [
+    ["replay"],
+    ["replay", "1", "--state", "dead"],
+    ["breakers", "reset"],
+    ["breakers", "reset", "no-origin"],
+    ["subscribers", "show", "sub_1"],
+], ids=" ".join)
+def test_impossible_command_lines_exit_2_like_the_parsers_own(args, sqlite_url, capsys, monkeypatch):
+    code, _, err = cli(capsys, monkeypatch, sqlite_url, *args)
+    assert code == 2 and one_line(err) and f"see `outboxd {args[0]} --help`" in err, err
+
+
+def test_failures_that_are_not_usage_exit_1(sqlite_url, capsys, monkeypatch):
+    assert cli(capsys, monkeypatch, sqlite_url, "show", "99")[0] == 1
+    assert cli(capsys, monkeypatch, sqlite_url, "breakers", "reset", "acme@https://b.example")[0] == 1
+
+
+def test_a_misspelt_toml_key_gets_a_did_you_mean(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "outbox.toml"
+    config.write_text("[outbox]\nretry_horizon_second = 86400\n")
+    code, _, err = cli(capsys, monkeypatch, None, "--config", str(config), "config")
+    assert code == 1 and one_line(err)
+    assert "unknown setting 'retry_horizon_second'; did you mean retry_horizon_seconds?" in err
+
+
+def test_a_reader_that_leaves_early_gets_no_broken_pipe_error(sqlite_engine, tmp_path):
+    enqueue_many(sqlite_engine, "https://buyer.example/hook", [""] * 400)
+    env = {**os.environ, "OUTBOX_DATABASE_URL": url_of(sqlite_engine), "PYTHONPATH": str(ROOT)}
+    pipeline = subprocess.run(
+        ["bash", "-c", f'set -o pipefail; "{sys.executable}" -m supervisor.cli list --limit 400 | head -n 1'],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert pipeline.stdout.startswith("ID ") and pipeline.stdout.count("\n") == 1
+    assert pipeline.stderr == "" and pipeline.returncode in (0, 141), (pipeline.returncode, pipeline.stderr)
+
+
+def test_migrate_and_keys_list_on_sqlite_print_no_sqlalchemy_warning(tmp_path):
+    env = {**os.environ, "OUTBOX_DATABASE_URL": f"sqlite:///{tmp_path / 'outbox.db'}", "PYTHONPATH": str(ROOT)}
+    for args in (["migrate"], ["keys", "list"], ["status"]):
+        done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
+
+
+def test_the_demo_ends_on_its_success_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    demo = subprocess.run([sys.executable, "-m", "supervisor.cli", "demo"], capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, timeout=180)
+    assert demo.returncode == 0, demo.stderr
+    assert demo.stdout.rstrip().endswith("retries reused the same bytes and key") and demo.stderr == "", demo.stderr
