@@ -88,7 +88,7 @@ def test_filtered_replay_counts_first_and_caps_at_its_limit(pg_engine, console):
     assert len(re.findall(r'href="/messages/\d+"', client.get("/messages?since=1h&reason=rejected").text)) == 3
     assert 'href="/messages/' not in client.get("/messages?until=1h").text  # all created within the hour
     bad = client.get("/messages?since=soonish")
-    assert bad.status_code == 400 and "since:" in bad.text
+    assert bad.status_code == 400 and "Since:" in bad.text
     assert client.post("/replay", data={"csrf": csrf}).status_code == 400  # no filter: refused, not "all"
     dry = client.post("/replay", data={"csrf": csrf, "reason": "rejected", "limit": "2"})
     assert "2 message(s) would be replayed" in dry.text and "1 more matched" in dry.text
@@ -120,13 +120,13 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
             assert browser.current_url.endswith("/login")
             browser.find_element(By.ID, "token").send_keys(TOKEN)
             browser.find_element(By.ID, "sign-in").click()
-            assert "gone" in browser.find_element(By.ID, "dead").text
+            assert "Gone" in browser.find_element(By.ID, "dead").text
             browser.get(f"{console}/messages")
             browser.find_element(By.ID, "tenant").send_keys("tenant-0")
             browser.find_element(By.ID, "key").send_keys(k)
             browser.find_element(By.ID, "search-button").click()
             rows = browser.find_elements(By.CSS_SELECTOR, "#results tr")[1:]
-            assert len(rows) == 1 and "dead" in rows[0].text and k in rows[0].text
+            assert len(rows) == 1 and "Dead: Gone" in rows[0].text and k in rows[0].text
             rows[0].find_element(By.TAG_NAME, "a").click()
             payload = browser.find_element(By.ID, "payload").text
             assert "[redacted]" in payload and "e2e-token" not in browser.page_source
