@@ -109,7 +109,8 @@ def _featured(conn, now: float) -> int:
             outcome=outcome, http_status=status, error=error, response_time_ms=ms, will_retry=number < 4,
             idempotency_key=key, trigger="scheduled", occurred_at=now - 3000 + 600 * number))
     conn.execute(update(messages).where(messages.c.id == message_id).values(
-        state="delivered", attempts=4, first_attempt_at=now - 2400, finished_at=now - 600, last_status=200))
+        state="delivered", attempts=4, created_at=now - 2405, first_attempt_at=now - 2400, next_attempt_at=now - 600,
+        finished_at=now - 600, last_status=200))
     return int(message_id)
 
 

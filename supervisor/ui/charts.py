@@ -104,4 +104,4 @@ def latency(series: Series) -> Markup:
             + f'<circle class="avg" cx="{point[0]:.1f}" cy="{point[1]:.1f}" r="2"/></g>')
     if len(points) > 1:
         body.append(f'<polyline class="avg" points="{" ".join(points)}"/>')
-    return _frame(series, f"{top:g} ms", body, "latency")
+    return _frame(series, f"{top / 1000:g} s" if top >= 1000 else f"{top:g} ms", body, "latency")
