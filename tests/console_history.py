@@ -23,6 +23,7 @@ from tests.test_e2e import SETTINGS
 
 ENDPOINTS = (("acme", "http://127.0.0.1:9001"), ("acme", "http://127.0.0.1:9002"), ("globex", "http://127.0.0.1:9003"))
 OPEN_ENDPOINT = ENDPOINTS[2]
+DAEMONS = ("outboxd-7f9c-a", "outboxd-7f9c-b")
 DUE_AGO = 42.0  # the pending messages have waited this long past their due time when seeded
 # No attempt falls in (now - QUIET_FROM, now - QUIET_TO): the five-minute rates then read the
 # same rows whether the page is drawn at once or up to a minute and a half later.
@@ -70,6 +71,7 @@ def seed(engine: Engine, directory: Path, *, per_endpoint: int = 40, rng_seed: i
                                  "attempt_number": number, "outcome": outcome, "http_status": status, "error": error,
                                  "response_time_ms": None if outcome == "connection_error" else rng.randint(8, 900),
                                  "will_retry": not last, "idempotency_key": key, "trigger": "scheduled",
+                                 "daemon_id": DAEMONS[(e + number) % len(DAEMONS)],
                                  "occurred_at": at})
                 if not times or n % 9 == 0:  # never attempted, or due again: the backlog
                     pending += 1
@@ -138,12 +140,13 @@ class Tally:
     delivered: int
     failed: int
     latency_avg_ms: float | None
+    daemons: int
 
 
 def attempt_rows(engine: Engine) -> list:
     with engine.connect() as conn:
         return list(conn.execute(select(attempts.c.tenant_id, attempts.c.url, attempts.c.outcome,
-                                        attempts.c.occurred_at, attempts.c.response_time_ms)))
+                                        attempts.c.occurred_at, attempts.c.response_time_ms, attempts.c.daemon_id)))
 
 
 def tally(rows: list, start: float, end: float, tenant: str | None = None, origin: str | None = None) -> Tally:
@@ -154,4 +157,5 @@ def tally(rows: list, start: float, end: float, tenant: str | None = None, origi
     failed = sum(r.outcome in ("failed", "timeout", "connection_error") for r in chosen)
     times = [r.response_time_ms for r in chosen if r.response_time_ms is not None
              and r.outcome in ("success", "failed", "timeout", "connection_error")]
-    return Tally(delivered, failed, sum(times) / len(times) if times else None)
+    return Tally(delivered, failed, sum(times) / len(times) if times else None,
+                 len({r.daemon_id for r in chosen if r.daemon_id is not None}))

@@ -81,6 +81,7 @@ def test_health_strip_and_charts_carry_the_database_numbers(pg_engine, console, 
     assert strip["delivery-rate"] == f"{recent.delivered * 60 / 300:.1f}" and recent.delivered > 0
     assert strip["failure-rate"] == f"{recent.failed / (recent.delivered + recent.failed):.3f}" and recent.failed > 0
     assert int(strip["breakers"]) == open_breakers == 1
+    assert f'id="daemons" data-value="{recent.daemons}"' in page and recent.daemons > 0
     assert strip["keys"] == "1" and "1 next" in page
     assert check_charts(page, rows) > 0
     assert check_charts(client.get("/?tenant=acme").text, rows, tenant="acme") > 0
@@ -197,6 +198,8 @@ def test_typed_mistakes_get_a_sentence(pg_engine, console, field, value, words):
     assert answer.status_code == 400 and words in unescape(answer.text)
     assert "invalid literal" not in answer.text and "Traceback" not in answer.text
     assert client.get("/messages", params={"before": "x"}).status_code == 400
+    for ref in ("¹", "9" * 25, "no-such-key"):
+        assert client.get(f"/messages/{ref}").status_code == 404
 
 
 def test_refresh_pauses(pg_engine, console):

@@ -51,6 +51,7 @@ async def test_health_strip_numbers(seeded):
         endpoint = await queries.health(conn, Scope(*OPEN_ENDPOINT))
     recent = tally(rows, history.now - QUIET_TO, history.now + 60)
     assert health.backlog == history.pending
+    assert health.daemons == recent.daemons > 0
     assert health.delivered_per_minute == pytest.approx(recent.delivered * 60 / queries.RATE_SECONDS)
     assert health.failure_ratio == pytest.approx(recent.failed / (recent.delivered + recent.failed))
     assert health.oldest_due_seconds >= DUE_AGO

@@ -159,9 +159,12 @@ def make_app(settings: Settings, token: str) -> Starlette:
     async def message(request: Request) -> Response:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
+        ref = request.path_params["ref"]
+        if ref.isdigit() and not (ref.isascii() and len(ref) < 19):  # "¹", or past BIGINT: no such id
+            return render(request, "error.html", 404, message="No such message.")
         async with state["engine"].connect() as conn:
             try:
-                data = await ops.show(conn, request.path_params["ref"], settings.sealing())
+                data = await ops.show(conn, ref, settings.sealing())
             except ops.AmbiguousReference:
                 return render(request, "error.html", 400, message="Several tenants use that idempotency key: "
                                                                   "open the message by its id.")
@@ -175,7 +178,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         form = await action_form(request)
         if isinstance(form, Response):
             return form
-        ids = [int(i) for i in form.getlist("id") if isinstance(i, str) and i.isdigit()]
+        ids = [int(i) for i in form.getlist("id") if isinstance(i, str) and i.isascii() and i.isdigit()]
         try:
             filters = None if ids else filters_from(form, limit=replay_limit(form.get("limit")))
         except BadInput as exc:

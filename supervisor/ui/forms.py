@@ -47,7 +47,7 @@ def filters_from(params: Any, limit: int = 100) -> ops.Filters:
 
 def _whole_number(value: Any, field: str, low: int, high: int) -> int:
     text = str(value).strip()
-    if not text.isdigit() or not low <= int(text) <= high:
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:  # "¹".isdigit() is true
         raise BadInput(f"“{field}” must be a whole number from {low:,} to {high:,}.")
     return int(text)
 

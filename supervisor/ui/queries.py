@@ -31,6 +31,7 @@ class Health:
     oldest_due_seconds: float | None  # None: nothing is due
     delivered_per_minute: float
     failure_ratio: float | None  # failures / answered attempts; None: no attempt in the period
+    daemons: int  # distinct daemons that recorded an attempt in the period
     open_breakers: int
     keys: dict[str, int]  # keyring keys by state (active, next, retiring, ...)
     keyless_scopes: list[str]  # scopes with keys but none active: their messages wait
@@ -44,7 +45,7 @@ async def health(conn: AsyncConnection, scope: Scope) -> Health:
                                              .where(messages.c.state == "pending"), scope))).scalar()
     backlog = (await conn.execute(_narrow(select(func.count()).select_from(messages)
                                           .where(messages.c.state.in_(BACKLOG)), scope))).scalar_one()
-    delivered, failed = await recent_totals(conn, RATE_SECONDS, scope, now)
+    delivered, failed, daemons = await recent_totals(conn, RATE_SECONDS, scope, now)
     open_breakers = (await conn.execute(_narrow(select(func.count()).select_from(breakers)
                                                          .where(breakers.c.state != "closed"), scope, breakers))).scalar_one()
     snapshot = await conn.run_sync(keyring.read_snapshot)
@@ -56,7 +57,7 @@ async def health(conn: AsyncConnection, scope: Scope) -> Health:
     return Health(now=now, backlog=int(backlog),
                   oldest_due_seconds=None if oldest is None or oldest > now else now - float(oldest),
                   delivered_per_minute=delivered * 60 / RATE_SECONDS,
-                  failure_ratio=failed / (delivered + failed) if delivered + failed else None,
+                  failure_ratio=failed / (delivered + failed) if delivered + failed else None, daemons=daemons,
                   open_breakers=int(open_breakers), keys=keys, keyless_scopes=keyless)
 
 

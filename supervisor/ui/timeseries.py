@@ -128,10 +128,12 @@ async def series(conn: AsyncConnection, window: Window, scope: Scope, now: float
     return Series(window, tuple(buckets))
 
 
-async def recent_totals(conn: AsyncConnection, seconds: float, scope: Scope, now: float) -> tuple[int, int]:
-    """Deliveries and failures in the last ``seconds`` (the health strip's rates)."""
+async def recent_totals(conn: AsyncConnection, seconds: float, scope: Scope, now: float) -> tuple[int, int, int]:
+    """Deliveries, failures and the daemons that recorded them in the last ``seconds``
+    (the health strip's rates, and whether any replica is delivering at all)."""
     query = (select(func.sum(case((attempts.c.outcome == DELIVERED, 1), else_=0)),
-                    func.sum(case((attempts.c.outcome.in_(FAILED), 1), else_=0)))
+                    func.sum(case((attempts.c.outcome.in_(FAILED), 1), else_=0)),
+                    func.count(attempts.c.daemon_id.distinct()))
              .where(attempts.c.occurred_at >= now - seconds, attempts.c.occurred_at <= now, scope.condition()))
-    ok, bad = (await conn.execute(query)).one()
-    return int(ok or 0), int(bad or 0)
+    ok, bad, daemons = (await conn.execute(query)).one()
+    return int(ok or 0), int(bad or 0), int(daemons or 0)
