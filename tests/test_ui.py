@@ -125,6 +125,7 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
             browser.find_element(By.ID, "tenant").send_keys("tenant-0")
             browser.find_element(By.ID, "key").send_keys(k)
             browser.find_element(By.ID, "search-button").click()
+            assert procs.wait_until(lambda: "key=" in browser.current_url, 15)  # the results page, not the form's
             rows = browser.find_elements(By.CSS_SELECTOR, "#results tr")[1:]
             assert len(rows) == 1 and "Dead: Gone" in rows[0].text and k in rows[0].text
             rows[0].find_element(By.TAG_NAME, "a").click()

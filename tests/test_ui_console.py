@@ -181,7 +181,8 @@ def test_pages_walk_every_message_and_the_dry_run_lists_them(pg_engine, console,
     dry = client.post("/replay", data={"csrf": csrf, "state": "dead", "reason": "gone"})
     listed = [int(i) for i in re.findall(r'<td class="num"><a href="/messages/(\d+)">', dry.text.split("replay-list")[1])]
     confirming = [int(i) for i in re.findall(r'name="id" value="(\d+)"', dry.text)]
-    refused = [int(i) for i in re.findall(r"Refused message (\d+): past its retry horizon", dry.text)]
+    words = re.search(r"Refused \d+ message\(s\), past its retry horizon: ([\d, ]+)\.", dry.text)
+    refused = [int(i) for i in words.group(1).split(", ")]
     assert listed == confirming and sorted(listed + refused) == dead and listed and refused
     assert f"{len(listed)} message(s) would be replayed" in dry.text
 
