@@ -9,7 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sqlalchemy import func, select
+
 from outbox.db import make_async_engine
+from outbox.schema import messages
 from supervisor.ui import queries
 from supervisor.ui.forms import REPLAY_LIMIT_MAX, BadInput, filters_from, page_start, replay_limit
 from supervisor.ui.present import duration, label, when
@@ -103,3 +106,39 @@ def test_words_and_times():
     assert str(when(1000.0, 1125.0)) == \
         '<time datetime="1970-01-01T00:16:40.000Z" title="1970-01-01T00:16:40.000Z">2 min 5 s ago</time>'
     assert "in 1 h" in str(when("1970-01-01T01:00:00.000Z", 0.0)) and str(when(None, 0.0)) == "–"
+
+
+async def test_endpoints_put_open_breakers_first_and_count_the_rest(seeded):
+    engine, aengine, _ = seeded
+    with engine.connect() as conn:
+        waiting = {(t, o): n for t, o, n in conn.execute(
+            select(messages.c.tenant_id, messages.c.origin, func.count())
+            .where(messages.c.state.in_(("pending", "in_flight"))).group_by(messages.c.tenant_id, messages.c.origin))}
+    async with aengine.connect() as conn:
+        shown, more = await queries.endpoints(conn, Scope(), limit=2)
+        everyone, none_more = await queries.endpoints(conn, Scope(), limit=10)
+        acme, _ = await queries.endpoints(conn, Scope(tenant="acme"), limit=10)
+    assert (shown[0]["tenant_id"], shown[0]["origin"], shown[0]["breaker"]["state"]) == (*OPEN_ENDPOINT, "open")
+    assert more == 1 and none_more == 0 and len(everyone) == 3
+    assert {(e["tenant_id"], e["origin"]): e["backlog"] for e in everyone} == waiting
+    assert {e["origin"] for e in acme} == {o for t, o in ENDPOINTS if t == "acme"}
+
+
+async def test_every_page_renders_on_sqlite(sqlite_engine, sqlite_url, tmp_path):
+    """The console in process on SQLite: the same pages, the same numbers as PostgreSQL's."""
+    from starlette.testclient import TestClient
+
+    from outbox.config import load_settings
+    from supervisor.ui.app import make_app
+
+    history = seed(sqlite_engine, tmp_path, per_endpoint=10)
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": sqlite_url})
+    with TestClient(make_app(settings, "t" * 32)) as client:
+        assert client.post("/login", data={"token": "t" * 32}, follow_redirects=False).status_code == 303
+        overview = client.get("/").text
+        assert f'id="health-backlog"><div class="k">Backlog</div><div class="v" data-value="{history.pending}"' \
+            in overview
+        endpoint = client.get("/endpoint", params=dict(zip(("tenant", "origin"), OPEN_ENDPOINT)))
+        assert endpoint.status_code == 200 and 'class="badge open"' in endpoint.text
+        assert client.get("/messages", params={"state": "dead"}).status_code == 200
+        assert "Failed" in client.get(f"/messages/{history.featured}").text

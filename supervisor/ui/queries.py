@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, func, or_, select
+from sqlalchemy import Table, func, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
@@ -71,19 +71,28 @@ def _narrow(query: Any, scope: Scope, table: Table = messages) -> Any:
 
 
 async def endpoints(conn: AsyncConnection, scope: Scope, limit: int) -> tuple[list[dict[str, Any]], int]:
-    """Endpoints (tenant and origin) with their backlog and breaker, the busiest first, and
-    how many more there are. An endpoint is known by its breaker row or by waiting messages."""
-    waiting = dict(((t, o), int(n)) for t, o, n in await conn.execute(_narrow(
+    """Endpoints (tenant and origin) with their backlog and breaker: open breakers first, then
+    the largest backlogs, then the most recently active; and how many more there are.
+
+    An endpoint is known by its breaker row or by waiting messages. Only the endpoints in
+    trouble and ``limit`` recent ones are read, however many endpoints there are."""
+    waiting = {(t, o): int(n) for t, o, n in await conn.execute(_narrow(
         select(messages.c.tenant_id, messages.c.origin, func.count()).where(messages.c.state.in_(BACKLOG))
-        .group_by(messages.c.tenant_id, messages.c.origin), scope)))
-    rows = {(r["tenant_id"], r["origin"]): dict(r) for r in
-            (await conn.execute(_narrow(select(breakers), scope, breakers))).mappings()}
+        .group_by(messages.c.tenant_id, messages.c.origin), scope)) if o is not None}
+    keys = list(waiting)
+    chosen = [_narrow(select(breakers).where(breakers.c.state != "closed"), scope, breakers),
+              _narrow(select(breakers), scope, breakers).order_by(breakers.c.updated_at.desc()).limit(limit)]
+    chosen += [select(breakers).where(tuple_(breakers.c.tenant_id, breakers.c.origin).in_(keys[i:i + 500]))
+               for i in range(0, len(keys), 500)]
+    rows = {(r["tenant_id"], r["origin"]): dict(r) for query in chosen for r in (await conn.execute(query)).mappings()}
     found = [{"tenant_id": t, "origin": o, "backlog": waiting.get((t, o), 0),
               "breaker": ops._breaker(rows[(t, o)]) if (t, o) in rows else None}
-             for t, o in set(waiting) | set(rows) if o is not None]
-    found.sort(key=lambda e: (e["breaker"] is None or e["breaker"]["state"] == "closed", -e["backlog"],
-                              e["tenant_id"], e["origin"]))
-    return found[:limit], max(len(found) - limit, 0)
+             for t, o in set(waiting) | set(rows)]
+    found.sort(key=lambda e: ((e["breaker"] or {}).get("updated_at") or "", e["tenant_id"], e["origin"]), reverse=True)
+    found.sort(key=lambda e: (e["breaker"] is None or e["breaker"]["state"] == "closed", -e["backlog"]))
+    known = (await conn.execute(_narrow(select(func.count()).select_from(breakers), scope, breakers))).scalar_one()
+    known += sum(1 for key in waiting if key not in rows)
+    return found[:limit], max(int(known) - min(len(found), limit), 0)
 
 
 async def endpoint_counts(conn: AsyncConnection, scope: Scope) -> dict[str, int]:
