@@ -117,7 +117,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
             status = await ops.status(conn, top=20)
             endpoints, more_endpoints = await queries.endpoints(conn, scope, ENDPOINTS_SHOWN)
             drawn = await charts_for(conn, scope, health.now)
-            counts = await queries.endpoint_counts(conn, scope)
+            counts = await queries.state_counts(conn, scope) if scope.tenant else status["messages"]
         return render(request, "overview.html", refreshes=True, scope=scope, health=health, status=status,
                       counts=counts, endpoints=endpoints, more_endpoints=more_endpoints, charts=drawn,
                       now=health.now, subscribers=await subscribers(state["engine"]))
@@ -133,7 +133,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         async with state["engine"].connect() as conn:
             health = await queries.health(conn, scope)
             found = await queries.breaker(conn, tenant, origin)
-            counts = await queries.endpoint_counts(conn, scope)
+            counts = await queries.state_counts(conn, scope)
             drawn = await charts_for(conn, scope, health.now)
             failures = await queries.failed_attempts(conn, scope, health.now - DAY.seconds, FAILURES_SHOWN)
         return render(request, "endpoint.html", refreshes=True, tenant=tenant, origin=origin, health=health,

@@ -95,8 +95,8 @@ async def endpoints(conn: AsyncConnection, scope: Scope, limit: int) -> tuple[li
     return found[:limit], max(int(known) - min(len(found), limit), 0)
 
 
-async def endpoint_counts(conn: AsyncConnection, scope: Scope) -> dict[str, int]:
-    """Messages of an endpoint by state."""
+async def state_counts(conn: AsyncConnection, scope: Scope) -> dict[str, int]:
+    """Messages of a tenant or an endpoint by state."""
     counts = dict((await conn.execute(_narrow(select(messages.c.state, func.count()), scope)
                                       .group_by(messages.c.state))).all())
     return {s: int(counts.get(s, 0)) for s in ("pending", "in_flight", "delivered", "dead")}
