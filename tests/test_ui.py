@@ -8,6 +8,7 @@ import re
 import shutil
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,14 +30,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def console_env(database_url: str) -> dict[str, str]:
+    """The daemon's test environment without a signing key: the console signs nothing."""
+    return {k: v for k, v in procs.daemon_env(database_url, Path("unused.pem")).items()
+            if not k.startswith("OUTBOX_SIGNING")}
+
+
 @pytest.fixture(scope="module")
 def console(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One console process for the module (each test empties the tables it reads)."""
     log = tmp_path_factory.mktemp("console") / "ui.log"
-    env = {k: v for k, v in procs.daemon_env(pg_url, log.parent / "unused.pem").items()
-           if not k.startswith("OUTBOX_SIGNING")}
     port = free_port()
-    proc = procs.start_ui({**env, "OUTBOX_UI_TOKEN": TOKEN}, port, log)
+    proc = procs.start_ui({**console_env(pg_url), "OUTBOX_UI_TOKEN": TOKEN}, port, log)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -169,10 +174,8 @@ async def test_subscribers_are_shown_and_masked(sqlite_engine, settings):
 
 
 def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_path):
-    env = {k: v for k, v in procs.daemon_env(pg_url, tmp_path / "unused.pem").items()
-           if not k.startswith("OUTBOX_SIGNING")}
     port = free_port()
-    proc = procs.start_ui(env, port, tmp_path / "ui.log")
+    proc = procs.start_ui(console_env(pg_url), port, tmp_path / "ui.log")
     try:
         printed = (tmp_path / "ui.log").read_text()
         match = re.search(rf"http://127\.0\.0\.1:{port}/ \(sign in with token (\S+)\)", printed)

@@ -23,7 +23,8 @@ from sqlalchemy import func, select
 from outbox.schema import breakers, messages
 from tests import procs
 from tests.console_history import DUE_AGO, OPEN_ENDPOINT, QUIET_TO, attempt_rows, seed, tally
-from tests.test_ui import CHROMEDRIVER, CHROMIUM, TOKEN, console, free_port, signed_in  # noqa: F401 (fixture)
+from tests.test_ui import (CHROMEDRIVER, CHROMIUM, TOKEN, console, console_env, free_port,  # noqa: F401 (fixture)
+                           signed_in)
 
 pytestmark = pytest.mark.e2e
 BUCKET = re.compile(r'<g class="bucket" data-start="(\d+)" data-delivered="(\d+)" data-failed="(\d+)">')
@@ -212,9 +213,16 @@ def test_refresh_pauses(pg_engine, console):
 
 @pytest.mark.parametrize("token", ["short-token", "x" * 31])
 def test_a_short_token_is_refused_off_loopback(pg_url, tmp_path, token):
-    env = {**procs.daemon_env(pg_url, tmp_path / "unused.pem"), "OUTBOX_UI_TOKEN": token,
-           "OUTBOX_UI_ADDR": f"0.0.0.0:{free_port()}"}
-    env = {k: v for k, v in env.items() if not k.startswith("OUTBOX_SIGNING")}
+    env = {**console_env(pg_url), "OUTBOX_UI_TOKEN": token, "OUTBOX_UI_ADDR": f"0.0.0.0:{free_port()}"}
     done = subprocess.run([sys.executable, "-m", "supervisor.cli", "ui"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode != 0 and "needs at least 32" in done.stderr
+
+
+def test_a_short_token_is_fine_on_loopback(pg_url, tmp_path):
+    port = free_port()
+    proc = procs.start_ui({**console_env(pg_url), "OUTBOX_UI_TOKEN": "short"}, port, tmp_path / "ui.log")
+    try:
+        assert httpx.post(f"http://127.0.0.1:{port}/login", data={"token": "short"}).status_code == 303
+    finally:
+        procs.stop(proc)

@@ -34,18 +34,21 @@ def _clock(epoch: float, window_seconds: int) -> str:
     return moment.strftime("%H:%M" if window_seconds < 86400 else "%d %b %H:%M")
 
 
-def _frame(series: Series, top_label: str, body: list[str], css: str) -> Markup:
+def _frame(series: Series, top_label: str, body: list[str], css: str, summary: str) -> Markup:
     plot_h = HEIGHT - BOTTOM - TOP
     first, last = series.buckets[0].start, series.buckets[-1].start + series.window.bucket
+    middle = series.buckets[len(series.buckets) // 2].start
     axis = [
         f'<line class="axis" x1="{LEFT}" y1="{TOP + plot_h}" x2="{WIDTH}" y2="{TOP + plot_h}"/>',
         f'<line class="grid" x1="{LEFT}" y1="{TOP}" x2="{WIDTH}" y2="{TOP}"/>',
         f'<text class="tick" x="{LEFT - 4}" y="{TOP + 4}" text-anchor="end">{escape(top_label)}</text>',
         f'<text class="tick" x="{LEFT - 4}" y="{TOP + plot_h}" text-anchor="end">0</text>',
         f'<text class="tick" x="{LEFT}" y="{HEIGHT - 4}">{_clock(first, series.window.seconds)} UTC</text>',
+        f'<text class="tick" x="{_slot(series, len(series.buckets) // 2)[0]:.1f}" y="{HEIGHT - 4}" '
+        f'text-anchor="middle">{_clock(middle, series.window.seconds)}</text>',
         f'<text class="tick" x="{WIDTH}" y="{HEIGHT - 4}" text-anchor="end">now</text>',
     ]
-    return Markup(f'<svg class="chart {css}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
+    return Markup(f'<svg class="chart {css}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{escape(summary)}" '
                   f'data-window="{series.window.name}" data-start="{first:.0f}" data-end="{last:.0f}">'
                   + "".join(axis + body) + "</svg>")
 
@@ -78,7 +81,8 @@ def throughput(series: Series) -> Markup:
             + f'<rect class="ok" x="{x + w * .1:.1f}" y="{base - ok_h:.1f}" width="{w * .8:.1f}" height="{ok_h:.1f}"/>'
             + f'<rect class="bad" x="{x + w * .1:.1f}" y="{base - ok_h - bad_h:.1f}" width="{w * .8:.1f}" '
               f'height="{bad_h:.1f}"/></g>')
-    return _frame(series, f"{top:g}", body, "throughput")
+    return _frame(series, f"{top:g}", body, "throughput",
+                  f"last {series.window.name}: {series.delivered} delivered, {series.failed} failed")
 
 
 def latency(series: Series) -> Markup:
@@ -104,4 +108,6 @@ def latency(series: Series) -> Markup:
             + f'<circle class="avg" cx="{point[0]:.1f}" cy="{point[1]:.1f}" r="2"/></g>')
     if len(points) > 1:
         body.append(f'<polyline class="avg" points="{" ".join(points)}"/>')
-    return _frame(series, f"{top / 1000:g} s" if top >= 1000 else f"{top:g} ms", body, "latency")
+    slowest = max((b.latency_max_ms or 0 for b in series.buckets), default=0)
+    return _frame(series, f"{top / 1000:g} s" if top >= 1000 else f"{top:g} ms", body, "latency",
+                  f"response time, last {series.window.name}: slowest {slowest} ms")
