@@ -122,6 +122,7 @@ def test_screenshots_of_the_overview_an_endpoint_and_a_message(pg_engine, consol
             assert browser.get_screenshot_as_file(str(shots[name]))
             if name == "overview":
                 assert check_charts(browser.page_source, rows) > 0
+                assert int(health_values(browser.page_source)["backlog"]) == history.pending
                 tip = browser.find_element(By.CSS_SELECTOR, "#charts-hour svg.throughput g.bucket title")
                 assert re.fullmatch(r"\d\d:\d\d–\d\d:\d\d UTC: \d+ delivered, \d+ failed",
                                     tip.get_attribute("textContent"))

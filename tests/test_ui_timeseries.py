@@ -142,3 +142,27 @@ async def test_every_page_renders_on_sqlite(sqlite_engine, sqlite_url, tmp_path)
         assert endpoint.status_code == 200 and 'class="badge open"' in endpoint.text
         assert client.get("/messages", params={"state": "dead"}).status_code == 200
         assert "Failed" in client.get(f"/messages/{history.featured}").text
+
+
+async def test_signing_keys_name_the_scopes_that_cannot_sign(engine, tmp_path):
+    from supervisor import keyring
+    from supervisor.signing import generate_signing_key_pem, load_signing_key
+
+    seed(engine, tmp_path, per_endpoint=1)  # the default scope: one active key, one staged
+    with engine.begin() as conn:
+        path = tmp_path / "acme-next.pem"
+        path.write_bytes(generate_signing_key_pem("ed25519"))
+        keyring.stage(conn, scope="acme", key=load_signing_key(path, "acme-next"), key_file=str(path))
+    aengine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with aengine.connect() as conn:
+            staged_only = await queries.health(conn, Scope())
+        with engine.begin() as conn:
+            keyring.revoke(conn, "console-active")
+        async with aengine.connect() as conn:
+            revoked = await queries.health(conn, Scope())
+    finally:
+        await aengine.dispose()
+    assert staged_only.keyless_scopes == []  # acme signs with the default scope's key until its own is active
+    assert staged_only.keys == {"active": 1, "next": 2}
+    assert revoked.keyless_scopes == [keyring.scope_label(keyring.DEFAULT_SCOPE)] and revoked.keys["revoked"] == 1

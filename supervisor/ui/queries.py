@@ -47,18 +47,27 @@ async def health(conn: AsyncConnection, scope: Scope) -> Health:
                                           .where(messages.c.state.in_(BACKLOG)), scope))).scalar_one()
     delivered, failed, daemons = await recent_totals(conn, RATE_SECONDS, scope, now)
     open_breakers = (await conn.execute(_narrow(select(func.count()).select_from(breakers)
-                                                         .where(breakers.c.state != "closed"), scope, breakers))).scalar_one()
+                                                .where(breakers.c.state != "closed"), scope, breakers))).scalar_one()
     snapshot = await conn.run_sync(keyring.read_snapshot)
     keys: dict[str, int] = {}
     for record in snapshot.records:
         state = record.state(snapshot.now)
         keys[state] = keys.get(state, 0) + 1
-    keyless = sorted(keyring.scope_label(s) for s in snapshot.by_scope if snapshot.active(s, snapshot.now) is None)
+    keyless = sorted(keyring.scope_label(s) for s in snapshot.by_scope if _unsigned(snapshot, s))
     return Health(now=now, backlog=int(backlog),
                   oldest_due_seconds=None if oldest is None or oldest > now else now - float(oldest),
                   delivered_per_minute=delivered * 60 / RATE_SECONDS,
                   failure_ratio=failed / (delivered + failed) if delivered + failed else None, daemons=daemons,
                   open_breakers=int(open_breakers), keys=keys, keyless_scopes=keyless)
+
+
+def _unsigned(snapshot: keyring.Snapshot, scope: str) -> bool:
+    """Whether ``scope``'s messages cannot be signed: it has no active key, and it is the
+    default scope or a tenant that has had keys of its own (which never falls back to the
+    default; a tenant with only a staged key still signs with the default scope's)."""
+    if snapshot.active(scope, snapshot.now) is not None:
+        return False
+    return scope == keyring.DEFAULT_SCOPE or snapshot.own_since.get(scope, float("inf")) <= snapshot.now
 
 
 def _narrow(query: Any, scope: Scope, table: Table = messages) -> Any:
