@@ -207,9 +207,11 @@ def test_typed_mistakes_get_a_sentence(pg_engine, console, field, value, words):
 
 def test_refresh_pauses(pg_engine, console):
     client, _ = signed_in(console)
-    assert '<meta http-equiv="refresh" content="15">' in client.get("/").text
-    paused = client.get("/?refresh=off").text
-    assert "http-equiv" not in paused and 'id="resume"' in paused
+    page = client.get("/?tenant=acme").text
+    assert '<meta http-equiv="refresh" content="15">' in page
+    assert '<a href="/?tenant=acme&amp;refresh=off" id="pause">' in page  # relative: right behind a proxy
+    paused = client.get("/?tenant=acme&refresh=off").text
+    assert "http-equiv" not in paused and '<a href="/?tenant=acme" id="resume">' in paused
 
 
 @pytest.mark.parametrize("token", ["short-token", "x" * 31])

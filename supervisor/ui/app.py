@@ -52,6 +52,14 @@ SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
                     "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'"}
 
 
+def here(request: Request, **changes: Any) -> str:
+    """This page's path and query with ``changes`` (``None`` removes a parameter): relative,
+    so links stay right behind a TLS-terminating proxy."""
+    params = {k: v for k, v in request.query_params.items() if k not in changes}
+    params.update({k: v for k, v in changes.items() if v is not None})
+    return request.url.path + (f"?{urlencode(params)}" if params else "")
+
+
 async def charts_for(conn: AsyncConnection, scope: Scope, now: float) -> dict[str, Any]:
     """The hour's and the day's charts of a scope, with their totals."""
     drawn: dict[str, Any] = {}
@@ -77,8 +85,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         refreshing = context.pop("refreshes", False) and request.query_params.get("refresh") != "off"
         response = TEMPLATES.TemplateResponse(request, name, {
             "csrf": sessions.csrf(session), "refresh_seconds": REFRESH_SECONDS if refreshing else None,
-            "pause_url": str(request.url.include_query_params(refresh="off")),
-            "resume_url": str(request.url.remove_query_params("refresh")),
+            "pause_url": here(request, refresh="off"), "resume_url": here(request, refresh=None),
             "notice": NOTICES.get(request.query_params.get("notice", "")), **context}, status_code=status_code)
         response.headers.update(SECURITY_HEADERS)
         return response
@@ -152,8 +159,8 @@ def make_app(settings: Settings, token: str) -> Starlette:
         async with state["engine"].connect() as conn:
             page = await queries.message_page(conn, filters, before, PAGE_SIZE)
             now = await store.db_now(conn)
-        older = str(request.url.include_query_params(before=page.older)) if page.older else None
-        newest = str(request.url.remove_query_params("before")) if before is not None else None
+        older = here(request, before=page.older) if page.older else None
+        newest = here(request, before=None) if before is not None else None
         return render(request, "messages.html", page=page, older=older, newest=newest, now=now, **context)
 
     async def message(request: Request) -> Response:
