@@ -155,7 +155,7 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
 async def test_subscribers_are_shown_and_masked(sqlite_engine, settings):
     from outbox.config import with_overrides
     from outbox.db import make_async_engine
-    from supervisor.ui.app import subscribers
+    from supervisor.ui.registry import subscribers
 
     url = sqlite_engine.url.render_as_string(hide_password=False)
     engine = make_async_engine(url)
