@@ -112,6 +112,7 @@ def _featured(conn, now: float) -> int:
             idempotency_key=key, trigger="scheduled", occurred_at=now - 3000 + 600 * number))
     conn.execute(update(messages).where(messages.c.id == message_id).values(
         state="delivered", attempts=4, created_at=now - 2405, first_attempt_at=now - 2400, next_attempt_at=now - 600,
+        retry_until=now - 2405 + 86400,
         finished_at=now - 600, last_status=200))
     return int(message_id)
 

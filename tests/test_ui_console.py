@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from html import unescape
@@ -110,7 +111,8 @@ def test_screenshots_of_the_overview_an_endpoint_and_a_message(pg_engine, consol
     browser.implicitly_wait(15)
     shots = {}
     try:
-        browser.set_window_size(1400, 1000)
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",  # the page itself 1400×1000, no window frame
+                                {"width": 1400, "height": 1000, "deviceScaleFactor": 1, "mobile": False})
         browser.get(f"{console}/login")
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         browser.find_element(By.ID, "sign-in").click()
@@ -138,7 +140,8 @@ def test_screenshots_of_the_overview_an_endpoint_and_a_message(pg_engine, consol
         browser.quit()
     target = os.environ.get("CONSOLE_SHOTS_DIR")
     for path in shots.values():
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        header = path.read_bytes()[:24]
+        assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (1400, 1000)
         if target:
             Path(target).mkdir(parents=True, exist_ok=True)
             shutil.copy(path, target)
