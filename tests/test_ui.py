@@ -8,6 +8,7 @@ import re
 import shutil
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,14 +30,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def console_env(database_url: str) -> dict[str, str]:
+    """The daemon's test environment without a signing key: the console signs nothing."""
+    return {k: v for k, v in procs.daemon_env(database_url, Path("unused.pem")).items()
+            if not k.startswith("OUTBOX_SIGNING")}
+
+
 @pytest.fixture(scope="module")
 def console(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One console process for the module (each test empties the tables it reads)."""
     log = tmp_path_factory.mktemp("console") / "ui.log"
-    env = {k: v for k, v in procs.daemon_env(pg_url, log.parent / "unused.pem").items()
-           if not k.startswith("OUTBOX_SIGNING")}
     port = free_port()
-    proc = procs.start_ui({**env, "OUTBOX_UI_TOKEN": TOKEN}, port, log)
+    proc = procs.start_ui({**console_env(pg_url), "OUTBOX_UI_TOKEN": TOKEN}, port, log)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -88,7 +93,7 @@ def test_filtered_replay_counts_first_and_caps_at_its_limit(pg_engine, console):
     assert len(re.findall(r'href="/messages/\d+"', client.get("/messages?since=1h&reason=rejected").text)) == 3
     assert 'href="/messages/' not in client.get("/messages?until=1h").text  # all created within the hour
     bad = client.get("/messages?since=soonish")
-    assert bad.status_code == 400 and "since:" in bad.text
+    assert bad.status_code == 400 and "Since:" in bad.text
     assert client.post("/replay", data={"csrf": csrf}).status_code == 400  # no filter: refused, not "all"
     dry = client.post("/replay", data={"csrf": csrf, "reason": "rejected", "limit": "2"})
     assert "2 message(s) would be replayed" in dry.text and "1 more matched" in dry.text
@@ -120,13 +125,14 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
             assert browser.current_url.endswith("/login")
             browser.find_element(By.ID, "token").send_keys(TOKEN)
             browser.find_element(By.ID, "sign-in").click()
-            assert "gone" in browser.find_element(By.ID, "dead").text
+            assert "Gone" in browser.find_element(By.ID, "dead").text
             browser.get(f"{console}/messages")
             browser.find_element(By.ID, "tenant").send_keys("tenant-0")
             browser.find_element(By.ID, "key").send_keys(k)
             browser.find_element(By.ID, "search-button").click()
+            assert procs.wait_until(lambda: "key=" in browser.current_url, 15)  # the results page, not the form's
             rows = browser.find_elements(By.CSS_SELECTOR, "#results tr")[1:]
-            assert len(rows) == 1 and "dead" in rows[0].text and k in rows[0].text
+            assert len(rows) == 1 and "Dead: Gone" in rows[0].text and k in rows[0].text
             rows[0].find_element(By.TAG_NAME, "a").click()
             payload = browser.find_element(By.ID, "payload").text
             assert "[redacted]" in payload and "e2e-token" not in browser.page_source
@@ -149,7 +155,7 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
 async def test_subscribers_are_shown_and_masked(sqlite_engine, settings):
     from outbox.config import with_overrides
     from outbox.db import make_async_engine
-    from supervisor.ui.app import subscribers
+    from supervisor.ui.registry import subscribers
 
     url = sqlite_engine.url.render_as_string(hide_password=False)
     engine = make_async_engine(url)
@@ -168,10 +174,8 @@ async def test_subscribers_are_shown_and_masked(sqlite_engine, settings):
 
 
 def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_path):
-    env = {k: v for k, v in procs.daemon_env(pg_url, tmp_path / "unused.pem").items()
-           if not k.startswith("OUTBOX_SIGNING")}
     port = free_port()
-    proc = procs.start_ui(env, port, tmp_path / "ui.log")
+    proc = procs.start_ui(console_env(pg_url), port, tmp_path / "ui.log")
     try:
         printed = (tmp_path / "ui.log").read_text()
         match = re.search(rf"http://127\.0\.0\.1:{port}/ \(sign in with token (\S+)\)", printed)

@@ -1,77 +1,72 @@
 """The console's pages and its two actions, replay and breaker reset.
 
-Every read goes through :mod:`supervisor.ops` and every replay through
-:func:`supervisor.replay.replay`, the code ``outboxd replay`` runs, so the console can
-neither show a secret the CLI hides nor replay what the CLI would refuse.
+Every read goes through :mod:`supervisor.ops` or :mod:`supervisor.ui.queries` (which mask
+like ``outboxd show``) and every replay through :func:`supervisor.replay.replay`, the code
+``outboxd replay`` runs, so the console can neither show a secret the CLI hides nor replay
+what the CLI would refuse.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
-from sqlalchemy import Connection, MetaData, Table, inspect, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from outbox import store
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor import ops
-from supervisor.cli_common import parse_time
 from supervisor.replay import replay
+from supervisor.ui import charts, present, queries
 from supervisor.ui.auth import COOKIE, Sessions
+from supervisor.ui.forms import FILTER_FIELDS, BadInput, filters_from, page_start, replay_limit
+from supervisor.ui.registry import subscribers
+from supervisor.ui.timeseries import DAY, HOUR, Scope, series
 
-TEMPLATES = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
-FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
-SUBSCRIBERS_TABLE = "outbox_subscribers"  # added by a later migration; shown when present
-PAGE_LIMIT = 200
+HERE = Path(__file__).parent
+TEMPLATES = Jinja2Templates(directory=str(HERE / "templates"))
+present.install(TEMPLATES.env)
+PAGE_SIZE = 50
+ENDPOINTS_SHOWN = 25
+FAILURES_SHOWN = 20
+REFRESH_SECONDS = 15
+# The only banners a redirect can ask for: a query string never puts its own words on the page.
+NOTICES = {
+    "breaker-reset": "Breaker reset: the endpoint takes deliveries again at once.",
+    "breaker-missing": "There was no breaker to reset: it had closed or been reset already.",
+}
 SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
                     "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'"}
 
 
-class BadFilter(ValueError):
-    """A search field the user can fix (shown on the page)."""
+def here(request: Request, **changes: Any) -> str:
+    """This page's path and query with ``changes`` (``None`` removes a parameter): relative,
+    so links stay right behind a TLS-terminating proxy."""
+    params = {k: v for k, v in request.query_params.items() if k not in changes}
+    params.update({k: v for k, v in changes.items() if v is not None})
+    return request.url.path + (f"?{urlencode(params)}" if params else "")
 
 
-def filters_from(params: Any, limit: int = PAGE_LIMIT) -> ops.Filters:
-    """:class:`ops.Filters` from a query string or form; empty fields are no filter."""
-    values = {f: (params.get(f) or "").strip() or None for f in FILTER_FIELDS}
-    if values["state"] and values["state"] not in STATES:
-        raise BadFilter(f"state must be one of {', '.join(STATES)}")
-    if values["reason"] and values["reason"] not in DEAD_REASONS:
-        raise BadFilter(f"reason must be one of {', '.join(DEAD_REASONS)}")
-    times = {}
-    for name in ("since", "until"):
-        try:
-            times[name] = parse_time(values[name]) if values[name] else None
-        except argparse.ArgumentTypeError as exc:
-            raise BadFilter(f"{name}: {exc}") from None
-    return ops.Filters(state=values["state"], reason=values["reason"], tenant=values["tenant"], key=values["key"],
-                       url=values["url"], since=times["since"], until=times["until"], limit=limit)
-
-
-def _reflect(conn: Connection, name: str) -> Table | None:
-    return Table(name, MetaData(), autoload_with=conn) if inspect(conn).has_table(name) else None
-
-
-async def subscribers(engine: AsyncEngine) -> list[dict[str, Any]] | None:
-    """The subscriber registry's rows, masked like a payload; ``None`` when the table does not exist."""
-    async with engine.connect() as conn:
-        table = await conn.run_sync(_reflect, SUBSCRIBERS_TABLE)
-        if table is None:
-            return None
-        rows = (await conn.execute(select(table).limit(PAGE_LIMIT))).mappings().all()
-    return [ops.redact({k: (v.hex() if isinstance(v, bytes) else v) for k, v in r.items()}) for r in rows]
+async def charts_for(conn: AsyncConnection, scope: Scope, now: float) -> dict[str, Any]:
+    """The hour's and the day's charts of a scope, with their totals."""
+    drawn: dict[str, Any] = {}
+    for window in (HOUR, DAY):
+        data = await series(conn, window, scope, now)
+        drawn[window.name] = {"series": data, "throughput": charts.throughput(data), "latency": charts.latency(data)}
+    return drawn
 
 
 def make_app(settings: Settings, token: str) -> Starlette:
@@ -87,8 +82,11 @@ def make_app(settings: Settings, token: str) -> Starlette:
 
     def render(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         session = request.cookies.get(COOKIE)
-        response = TEMPLATES.TemplateResponse(request, name, {"csrf": sessions.csrf(session), **context},
-                                              status_code=status_code)
+        refreshing = context.pop("refreshes", False) and request.query_params.get("refresh") != "off"
+        response = TEMPLATES.TemplateResponse(request, name, {
+            "csrf": sessions.csrf(session), "refresh_seconds": REFRESH_SECONDS if refreshing else None,
+            "pause_url": here(request, refresh="off"), "resume_url": here(request, refresh=None),
+            "notice": NOTICES.get(request.query_params.get("notice", "")), **context}, status_code=status_code)
         response.headers.update(SECURITY_HEADERS)
         return response
 
@@ -99,10 +97,11 @@ def make_app(settings: Settings, token: str) -> Starlette:
         """The form of an allowed action, or the refusal: 401 without a session, 403 on a bad CSRF token."""
         form = await request.form()
         if not signed_in(request):
-            return render(request, "error.html", 401, message="sign in first: actions need the console token")
+            return render(request, "error.html", 401, message="Sign in first: actions need the console token.")
         csrf = form.get("csrf")
         if not sessions.csrf_ok(request.cookies.get(COOKIE), csrf if isinstance(csrf, str) else None):
-            return render(request, "error.html", 403, message="CSRF token missing or wrong: reload the page")
+            return render(request, "error.html", 403, message="The form's security token is missing or stale: "
+                                                              "reload the page and try again.")
         return form
 
     async def login(request: Request) -> Response:
@@ -111,7 +110,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         offered = (await request.form()).get("token")
         session = sessions.sign_in(offered if isinstance(offered, str) else "")
         if session is None:
-            return render(request, "login.html", 401, error="wrong token")
+            return render(request, "login.html", 401, error="That is not the console token.")
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(COOKIE, session, httponly=True, samesite="strict", path="/")
         return response
@@ -119,62 +118,104 @@ def make_app(settings: Settings, token: str) -> Starlette:
     async def overview(request: Request) -> Response:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
+        scope = Scope(tenant=request.query_params.get("tenant") or None)
         async with state["engine"].connect() as conn:
+            health = await queries.health(conn, scope)
             status = await ops.status(conn, top=20)
-            breakers = await ops.list_breakers(conn)
-        return render(request, "overview.html", status=status, breakers=breakers,
-                      subscribers=await subscribers(state["engine"]), notice=request.query_params.get("notice"))
+            endpoints, more_endpoints = await queries.endpoints(conn, scope, ENDPOINTS_SHOWN)
+            drawn = await charts_for(conn, scope, health.now)
+            counts = await queries.state_counts(conn, scope) if scope.tenant else status["messages"]
+        return render(request, "overview.html", refreshes=True, scope=scope, health=health, status=status,
+                      counts=counts, endpoints=endpoints, more_endpoints=more_endpoints, charts=drawn,
+                      now=health.now, subscribers=await subscribers(state["engine"]))
+
+    async def endpoint(request: Request) -> Response:
+        if not signed_in(request):
+            return RedirectResponse("/login", status_code=303)
+        tenant, origin = request.query_params.get("tenant", ""), request.query_params.get("origin", "")
+        if not tenant or not origin:
+            return render(request, "error.html", 400, message="An endpoint is a tenant and an origin: "
+                                                              "open it from the overview's list.")
+        scope = Scope(tenant=tenant, origin=origin)
+        async with state["engine"].connect() as conn:
+            health = await queries.health(conn, scope)
+            found = await queries.breaker(conn, tenant, origin)
+            counts = await queries.state_counts(conn, scope)
+            drawn = await charts_for(conn, scope, health.now)
+            failures = await queries.failed_attempts(conn, scope, health.now - DAY.seconds, FAILURES_SHOWN)
+        return render(request, "endpoint.html", refreshes=True, tenant=tenant, origin=origin, health=health,
+                      breaker=found, counts=counts, charts=drawn, failures=failures, now=health.now)
 
     async def messages(request: Request) -> Response:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
         params = {f: request.query_params.get(f, "") for f in FILTER_FIELDS}
+        context = {"params": params, "states": STATES, "reasons": DEAD_REASONS, "searched": any(params.values())}
         try:
             filters = filters_from(request.query_params)
-        except BadFilter as exc:
-            return render(request, "messages.html", 400, params=params, rows=[], more=0, error=str(exc),
-                          states=STATES, reasons=DEAD_REASONS)
+            before = page_start(request.query_params.get("before"))
+        except BadInput as exc:
+            return render(request, "messages.html", 400, page=None, error=str(exc), now=0.0, **context)
         async with state["engine"].connect() as conn:
-            rows = await ops.list_messages(conn, filters)
-            more = await ops.count_matching(conn, filters) - len(rows)
-        return render(request, "messages.html", params=params, rows=rows, more=more, states=STATES,
-                      reasons=DEAD_REASONS, searched=any(params.values()))
+            page = await queries.message_page(conn, filters, before, PAGE_SIZE)
+            now = await store.db_now(conn)
+        older = here(request, before=page.older) if page.older else None
+        newest = here(request, before=None) if before is not None else None
+        return render(request, "messages.html", page=page, older=older, newest=newest, now=now, **context)
 
     async def message(request: Request) -> Response:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
+        ref = request.path_params["ref"]
+        if ref.isdigit() and not (ref.isascii() and len(ref) < 19):  # "¹", or past BIGINT: no such id
+            return render(request, "error.html", 404, message="No such message.")
         async with state["engine"].connect() as conn:
-            data = await ops.show(conn, request.path_params["ref"], settings.sealing())
+            try:
+                data = await ops.show(conn, ref, settings.sealing())
+            except ops.AmbiguousReference:
+                return render(request, "error.html", 400, message="Several tenants use that idempotency key: "
+                                                                  "open the message by its id.")
+            now = await store.db_now(conn)
         if data is None:
-            return render(request, "error.html", 404, message="no such message")
+            return render(request, "error.html", 404, message="No such message.")
         payload = json.dumps(data.pop("payload"), indent=2, sort_keys=True)
-        return render(request, "message.html", m=data, payload=payload)
+        return render(request, "message.html", m=data, payload=payload, now=now)
 
     async def replay_action(request: Request) -> Response:
         form = await action_form(request)
         if isinstance(form, Response):
             return form
-        ids = [int(i) for i in form.getlist("id") if isinstance(i, str) and i.isdigit()]
+        ids = [int(i) for i in form.getlist("id") if isinstance(i, str) and i.isascii() and i.isdigit()]
         try:
-            filters = None if ids else filters_from(form, limit=int(str(form.get("limit") or 1000)))
-        except (BadFilter, ValueError) as exc:
+            filters = None if ids else filters_from(form, limit=replay_limit(form.get("limit")))
+        except BadInput as exc:
             return render(request, "error.html", 400, message=str(exc))
         if filters is not None and not any(form.get(f) for f in FILTER_FIELDS):
-            return render(request, "error.html", 400, message="a filtered replay needs at least one filter")
+            return render(request, "error.html", 400, message="A replay of matching messages needs at least one "
+                                                              "search field filled in.")
         confirmed = form.get("confirm") == "yes"
         result = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=not confirmed,
                               horizon_seconds=settings.retry_horizon_seconds)
-        return render(request, "replay.html", result=result)  # the confirmation names the dry run's ids
+        async with state["engine"].connect() as conn:
+            listed = await queries.messages_by_id(conn, result.replayed)
+            now = await store.db_now(conn)
+        return render(request, "replay.html", result=result, listed=listed, now=now)
 
     async def reset_breaker(request: Request) -> Response:
+        """A reset is asked, confirmed, then done: the first post shows what would be reset."""
         form = await action_form(request)
         if isinstance(form, Response):
             return form
         tenant, origin = str(form.get("tenant") or ""), str(form.get("origin") or "")
+        if form.get("confirm") != "yes":
+            async with state["engine"].connect() as conn:
+                found = await queries.breaker(conn, tenant, origin)
+                now = await store.db_now(conn)
+            return render(request, "reset.html", tenant=tenant, origin=origin, breaker=found, now=now)
         async with state["engine"].begin() as conn:
-            found = await ops.reset_breaker(conn, tenant, origin)
-        notice = f"breaker {tenant}@{origin} reset" if found else f"no breaker {tenant}@{origin}"
-        return RedirectResponse(f"/?notice={notice}", status_code=303)
+            done = await ops.reset_breaker(conn, tenant, origin)
+        back = urlencode({"tenant": tenant, "origin": origin, "notice": "breaker-reset" if done else "breaker-missing"})
+        return RedirectResponse(f"/endpoint?{back}", status_code=303)
 
     async def logout(request: Request) -> Response:
         form = await action_form(request)
@@ -188,9 +229,11 @@ def make_app(settings: Settings, token: str) -> Starlette:
     return Starlette(lifespan=lifespan, routes=[
         Route("/login", login, methods=["GET", "POST"]),
         Route("/", overview),
+        Route("/endpoint", endpoint),
         Route("/messages", messages),
         Route("/messages/{ref}", message),
         Route("/replay", replay_action, methods=["POST"]),
         Route("/breakers/reset", reset_breaker, methods=["POST"]),
         Route("/logout", logout, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ])

@@ -9,6 +9,8 @@ import sys
 from outbox.config import Settings
 from supervisor.health import parse_addr
 
+MIN_REMOTE_TOKEN = 32  # characters; what ``secrets.token_urlsafe(24)`` makes
+
 
 def _is_loopback(host: str) -> bool:
     try:
@@ -26,6 +28,10 @@ def serve(settings: Settings) -> int:
     except ImportError as exc:
         raise ValueError(f"the console needs the [ui] extra (pip install 'outboxd[ui]'): {exc}") from None
     host, port = parse_addr(settings.ui_addr, "OUTBOX_UI_ADDR")
+    if not _is_loopback(host) and settings.ui_token is not None and len(settings.ui_token) < MIN_REMOTE_TOKEN:
+        # Off loopback the token is all that stands between the network and replay or reset.
+        raise ValueError(f"OUTBOX_UI_TOKEN has {len(settings.ui_token)} characters: a console listening on {host} "
+                         f"needs at least {MIN_REMOTE_TOKEN} (make one with: openssl rand -base64 32)")
     token = settings.ui_token or secrets.token_urlsafe(24)
     print(f"outboxd ui: http://{host}:{port}/ ", file=sys.stderr, end="")
     print("(sign in with OUTBOX_UI_TOKEN)" if settings.ui_token else f"(sign in with token {token})",
