@@ -38,6 +38,16 @@ MIN_LEGACY_CREDENTIAL_LENGTH = 32  # docs/protocol.md "Legacy credentials" crede
 # text: visible ASCII only (RFC 9110 field-value characters, no spaces).
 LEGACY_CREDENTIAL_RE = re.compile(r"[\x21-\x7e]+")
 LEGACY_SCHEMES = {"HMAC-SHA256": "hmac", "Bearer": "bearer"}  # enums/auth-scheme.json
+
+
+def requires_operation_id(adcp_version: str | None) -> bool:
+    """Whether a task's webhook registration must carry ``operation_id`` (docs/protocol.md,
+    "Webhook bodies"): always, unless the task's request was served as AdCP 3.0, whose
+    ``push_notification_config`` has no such member (its webhooks then carry none)."""
+    if adcp_version is None:
+        return True
+    release = adcp_version.split("-", 1)[0].split(".")[:2]  # "3.0", "3.0.6", "3.0-rc.1" -> 3, 0
+    return release != ["3", "0"]
 MAX_BODY_BYTES = 1024 * 1024  # receivers SHOULD enforce 1 MB ("Sizes and timeouts")
 
 # Account-level notification channels, from the AdCP 3.2 schemas
