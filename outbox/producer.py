@@ -240,7 +240,8 @@ def enqueue_task_webhook(
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
     registration = _registration(push_notification_config, "push_notification_config", settings,
-                                 require_operation_id=protocol.requires_operation_id(adcp_version))
+                                 require_operation_id=protocol.requires_operation_id(
+                                     _optional_string(adcp_version, "adcp_version")))
     _check_string(task_id, "task_id")
     _member(task_type, protocol.TASK_TYPES, "task_type", "an AdCP task type")
     _member(status, protocol.TASK_STATUSES, "status", "an AdCP task status")

@@ -38,16 +38,6 @@ MIN_LEGACY_CREDENTIAL_LENGTH = 32  # docs/protocol.md "Legacy credentials" crede
 # text: visible ASCII only (RFC 9110 field-value characters, no spaces).
 LEGACY_CREDENTIAL_RE = re.compile(r"[\x21-\x7e]+")
 LEGACY_SCHEMES = {"HMAC-SHA256": "hmac", "Bearer": "bearer"}  # enums/auth-scheme.json
-
-
-def requires_operation_id(adcp_version: str | None) -> bool:
-    """Whether a task's webhook registration must carry ``operation_id`` (docs/protocol.md,
-    "Webhook bodies"): always, unless the task's request was served as AdCP 3.0, whose
-    ``push_notification_config`` has no such member (its webhooks then carry none)."""
-    if adcp_version is None:
-        return True
-    release = adcp_version.split("-", 1)[0].split(".")[:2]  # "3.0", "3.0.6", "3.0-rc.1" -> 3, 0
-    return release != ["3", "0"]
 MAX_BODY_BYTES = 1024 * 1024  # receivers SHOULD enforce 1 MB ("Sizes and timeouts")
 
 # Account-level notification channels, from the AdCP 3.2 schemas
@@ -73,3 +63,13 @@ CHALLENGE_TYPE = "webhook.challenge"
 CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_.:-]{32,255}$")
 CHALLENGE_ECHO_FIELDS = ("challenge", "token")
 DELIVERY_AUTH_MODES = {"rfc9421": "rfc9421", "hmac": "HMAC-SHA256", "bearer": "Bearer"}
+# core/version-envelope.json ``adcp_version`` (release precision, optional pre-release) of AdCP 3.0.
+ADCP_3_0_RE = re.compile(r"3\.0(?:-[a-zA-Z0-9](?:[a-zA-Z0-9.-]*[a-zA-Z0-9])?)?")
+
+
+def requires_operation_id(adcp_version: str | None) -> bool:
+    """Whether a task's webhook registration must carry ``operation_id`` (docs/protocol.md,
+    "Webhook bodies"): always, unless the task's request was served as AdCP 3.0 (``"3.0"``,
+    the SDK's ``resolved_adcp_version``), whose ``push_notification_config`` has no such
+    member; such a buyer's webhooks then carry none."""
+    return adcp_version is None or ADCP_3_0_RE.fullmatch(adcp_version) is None
