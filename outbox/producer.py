@@ -226,18 +226,22 @@ def enqueue_task_webhook(
     notification_id: str | None = None,
     horizon_seconds: int | None = None,
     principal_id: str | None = None,
+    adcp_version: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue an MCP task-status webhook (docs/protocol.md "Webhook bodies") in the caller's transaction.
 
     Call it in the same transaction that moves the task to ``status``; it never commits.
     Terminal statuses get ``notification_id = "<task_id>.terminal"`` unless given.
-    ``principal_id`` names the buyer principal the notification belongs to.
+    ``principal_id`` names the buyer principal the notification belongs to. ``adcp_version``
+    is the release the task's request was served as (the SDK's ``resolved_adcp_version``):
+    the registration must carry ``operation_id`` unless that release is AdCP 3.0.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
     registration = _registration(push_notification_config, "push_notification_config", settings,
-                                 require_operation_id=True)
+                                 require_operation_id=protocol.requires_operation_id(
+                                     _optional_string(adcp_version, "adcp_version")))
     _check_string(task_id, "task_id")
     _member(task_type, protocol.TASK_TYPES, "task_type", "an AdCP task type")
     _member(status, protocol.TASK_STATUSES, "status", "an AdCP task status")
@@ -252,14 +256,10 @@ def enqueue_task_webhook(
     if context is not None:
         context = _as_mapping(context, "context")
     key = _idempotency_key(idempotency_key)
-    envelope: dict[str, Any] = {
-        "idempotency_key": key,
-        "operation_id": registration.operation_id,
-        "task_id": task_id,
-        "task_type": task_type,
-        "status": status,
-        "timestamp": _timestamp(),
-    }
+    envelope: dict[str, Any] = {"idempotency_key": key}
+    if registration.operation_id is not None:  # absent only for an AdCP 3.0 registration
+        envelope["operation_id"] = registration.operation_id
+    envelope.update({"task_id": task_id, "task_type": task_type, "status": status, "timestamp": _timestamp()})
     optional = {"notification_id": notification_id, "message": message, "context_id": context_id,
                 "token": registration.token, "result": result, "context": context}
     envelope.update({k: v for k, v in optional.items() if v is not None})

@@ -63,3 +63,13 @@ CHALLENGE_TYPE = "webhook.challenge"
 CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_.:-]{32,255}$")
 CHALLENGE_ECHO_FIELDS = ("challenge", "token")
 DELIVERY_AUTH_MODES = {"rfc9421": "rfc9421", "hmac": "HMAC-SHA256", "bearer": "Bearer"}
+# core/version-envelope.json ``adcp_version`` (release precision, optional pre-release) of AdCP 3.0.
+ADCP_3_0_RE = re.compile(r"3\.0(?:-[a-zA-Z0-9](?:[a-zA-Z0-9.-]*[a-zA-Z0-9])?)?")
+
+
+def requires_operation_id(adcp_version: str | None) -> bool:
+    """Whether a task's webhook registration must carry ``operation_id`` (docs/protocol.md,
+    "Webhook bodies"): always, unless the task's request was served as AdCP 3.0 (``"3.0"``,
+    the SDK's ``resolved_adcp_version``), whose ``push_notification_config`` has no such
+    member; such a buyer's webhooks then carry none."""
+    return adcp_version is None or ADCP_3_0_RE.fullmatch(adcp_version) is None

@@ -19,8 +19,17 @@ from outbox.config import Settings
 from outbox.errors import ConfigurationError
 from supervisor.cli_common import Subcommands, print_json, run_async, table
 from supervisor import keyring
-from supervisor.keyring import ADCP_USE_REQUEST, ADCP_USE_WEBHOOK, DEFAULT_SCOPE, Snapshot, iso, scope_label
-from supervisor.signing import ALG_ED25519, ALG_ES256, SigningKey, generate_signing_key_pem, load_signing_key
+from supervisor.keyring import DEFAULT_SCOPE, Snapshot, iso, scope_label
+from supervisor.signing import (
+    ADCP_USE_REQUEST,
+    ADCP_USE_WEBHOOK,
+    ALG_ED25519,
+    ALG_ES256,
+    DEFAULT_ADCP_USE,
+    SigningKey,
+    generate_signing_key_pem,
+    load_signing_key,
+)
 
 
 def _warn(text: str) -> None:
@@ -84,9 +93,9 @@ def _rotate(args: argparse.Namespace, settings: Settings, scope: str) -> dict[st
     if args.generate:
         write_private_key(path, args.alg)
     key = _load_for_staging(path, args.kid, scope)
-    if args.adcp_use == ADCP_USE_WEBHOOK:
-        _warn(f"adcp_use {ADCP_USE_WEBHOOK!r} is deprecated (adcp#5555): publish it only while buyers on AdCP 3.0 "
-              f"verifiers need it (3.1+ verifiers accept {ADCP_USE_REQUEST!r})")
+    if args.adcp_use == ADCP_USE_REQUEST:
+        _warn(f"buyers on AdCP 3.0 verifiers (the TypeScript @adcp/sdk 6.x among them) reject webhooks signed by a "
+              f"{ADCP_USE_REQUEST!r} key (webhook_mode_mismatch); {ADCP_USE_WEBHOOK!r} verifies for every buyer")
     record = _in_transaction(settings, lambda c: keyring.stage(c, scope=scope, key=key, key_file=str(path),
                                                                adcp_use=args.adcp_use))
     ready = record.published_at + settings.key_cache_window_seconds
@@ -144,7 +153,8 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
         write_private_key(Path(args.out), args.alg, args.overwrite)
         kid = args.kid or _default_kid(DEFAULT_SCOPE)
         print(f"wrote {args.out} (mode 0600); use OUTBOX_SIGNING_KEY_FILE={args.out} OUTBOX_SIGNING_KEY_ID={kid}, "
-              f"or stage it with `outboxd keys rotate --key-file {args.out}`")
+              f"or stage it with `outboxd keys rotate --key-file {args.out}`; it is published with "
+              f"adcp_use {DEFAULT_ADCP_USE}")
         return 0
     if args.action in ("list", "jwks", "revocations"):
         snapshot: Snapshot = _in_transaction(settings, keyring.read_snapshot)
@@ -193,9 +203,9 @@ def register(add: Subcommands) -> None:
     source.add_argument("--generate", metavar="PATH", help="write a new private key here and stage it")
     p.add_argument("--alg", choices=["ed25519", "es256"], default="ed25519", help="with --generate")
     p.add_argument("--kid", help="key id (default: the JWK's kid, or SCOPE-<UTC time>)")
-    p.add_argument("--adcp-use", choices=[ADCP_USE_REQUEST, ADCP_USE_WEBHOOK], default=ADCP_USE_REQUEST,
-                   help=f"JWK purpose (default {ADCP_USE_REQUEST}; {ADCP_USE_WEBHOOK} is deprecated, for AdCP 3.0 "
-                        "buyers)")
+    p.add_argument("--adcp-use", choices=[ADCP_USE_WEBHOOK, ADCP_USE_REQUEST], default=DEFAULT_ADCP_USE,
+                   help=f"JWK purpose (default {DEFAULT_ADCP_USE}, which AdCP 3.0 and 3.1+ buyers verify; "
+                        f"{ADCP_USE_REQUEST} only 3.1+ buyers)")
     p = action("promote", "Make the next key active (refused within the buyer cache window).", tenant=True,
                json_=True)
     p.add_argument("kid", nargs="?", help="the next key to promote (default: the scope's only next key)")

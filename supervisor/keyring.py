@@ -33,7 +33,14 @@ from sqlalchemy import Connection, select, text, update
 
 from outbox.config import Settings
 from outbox.schema import db_now, keyring, signing_keys
-from supervisor.signing import MAX_VALIDITY_SECONDS, SigningKey, load_signing_key
+from supervisor.signing import (
+    ADCP_USE_REQUEST,
+    ADCP_USE_WEBHOOK,
+    DEFAULT_ADCP_USE,
+    MAX_VALIDITY_SECONDS,
+    SigningKey,
+    load_signing_key,
+)
 
 __all__ = [
     "ADCP_USE_REQUEST",
@@ -54,8 +61,6 @@ __all__ = [
 ]
 
 DEFAULT_SCOPE = ""
-ADCP_USE_REQUEST = "request-signing"  # what webhooks are signed with since AdCP 3.1
-ADCP_USE_WEBHOOK = "webhook-signing"  # deprecated (adcp#5555); the only value AdCP 3.0 verifiers accept
 CHANNEL = "outbox_keyring"  # PostgreSQL NOTIFY channel of keyring changes
 SWITCH_DELAY_SECONDS = 1.0  # a promotion takes effect this long after it commits
 REFRESH_SECONDS = 0.25  # how often a daemon polls the keyring version
@@ -219,22 +224,18 @@ def _lock(conn: Connection) -> Snapshot:
     return read_snapshot(conn)
 
 
-def _public_members(key: SigningKey) -> dict[str, Any]:
-    return {k: v for k, v in key.public_jwk().items() if k != "adcp_use"}
-
-
 def _insert(conn: Connection, snapshot: Snapshot, *, scope: str, key: SigningKey, key_file: str,
             adcp_use: str, active: bool) -> KeyRecord:
     for record in snapshot.records:
         if record.kid == key.key_id:
             raise KeyringError(f"key id {key.key_id!r} is already in the keyring ({scope_label(record.scope)}); "
                                "every kid must be unique in the JWKS")
-        if record.public_jwk.get("x") == _public_members(key).get("x"):
+        if record.public_jwk.get("x") == key.public_members().get("x"):
             raise KeyringError(f"{key_file} holds a key already in the keyring as {record.kid!r}")
     if adcp_use not in (ADCP_USE_REQUEST, ADCP_USE_WEBHOOK):
         raise KeyringError(f"adcp_use must be {ADCP_USE_REQUEST!r} or {ADCP_USE_WEBHOOK!r}, got {adcp_use!r}")
     record = KeyRecord(kid=key.key_id, scope=scope, alg=key.alg, key_file=key_file,
-                       public_jwk=_public_members(key), adcp_use=adcp_use, published_at=snapshot.now,
+                       public_jwk=key.public_members(), adcp_use=adcp_use, published_at=snapshot.now,
                        activates_at=snapshot.now if active else None)
     values = {**asdict(record), "public_jwk": json.dumps(record.public_jwk)}
     conn.execute(signing_keys.insert().values(**values))
@@ -266,13 +267,13 @@ def bootstrap(conn: Connection, settings: Settings) -> list[KeyRecord]:
         if not snapshot.by_scope.get(scope):
             key = load_signing_key(file, kid)
             registered.append(_insert(conn, snapshot, scope=scope, key=key, key_file=os.path.abspath(file),
-                                      adcp_use=ADCP_USE_REQUEST, active=True))
+                                      adcp_use=DEFAULT_ADCP_USE, active=True))
             snapshot = read_snapshot(conn)
     return registered
 
 
 def stage(conn: Connection, *, scope: str, key: SigningKey, key_file: str,
-          adcp_use: str = ADCP_USE_REQUEST) -> KeyRecord:
+          adcp_use: str = DEFAULT_ADCP_USE) -> KeyRecord:
     """Add ``key`` to ``scope`` as ``next``: published from now on, signing nothing yet."""
     return _insert(conn, _lock(conn), scope=scope, key=key, key_file=key_file, adcp_use=adcp_use, active=False)
 

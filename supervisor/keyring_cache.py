@@ -46,7 +46,7 @@ def load_private_key(record: KeyRecord) -> SigningKey:
     the same kid would otherwise sign with a key no buyer can verify.
     """
     key = load_signing_key(record.key_file, record.kid)
-    if {k: v for k, v in key.public_jwk().items() if k != "adcp_use"} != dict(record.public_jwk):
+    if key.public_members() != dict(record.public_jwk):
         raise ConfigurationError(f"signing key file {record.key_file} no longer holds the key published as "
                                  f"{record.kid!r}: restore it, or revoke {record.kid!r} and stage a new key")
     return key

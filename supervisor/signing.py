@@ -32,9 +32,12 @@ from outbox.errors import ConfigurationError
 from outbox.urls import authority
 
 __all__ = [
+    "ADCP_USE_REQUEST",
+    "ADCP_USE_WEBHOOK",
     "ALG_ED25519",
     "ALG_ES256",
     "COMPONENTS",
+    "DEFAULT_ADCP_USE",
     "KeySource",
     "LABEL",
     "SigningKey",
@@ -58,6 +61,13 @@ COMPONENTS = ("@method", "@target-uri", "@authority", "content-type", "content-d
 CONTENT_TYPE = "application/json"
 MAX_VALIDITY_SECONDS = 300  # docs/protocol.md "Signing": expires - created <= 300
 NONCE_BYTES = 16  # docs/protocol.md "Signing": nonce is >= 16 decoded bytes
+
+# docs/protocol.md "Key purpose": the JWK ``adcp_use`` a webhook key is published with.
+# AdCP 3.1+ verifiers accept both; AdCP 3.0 verifiers (the TypeScript @adcp/sdk 6.x among
+# them) accept only the deprecated webhook-signing, so it is the default.
+ADCP_USE_REQUEST = "request-signing"
+ADCP_USE_WEBHOOK = "webhook-signing"
+DEFAULT_ADCP_USE = ADCP_USE_WEBHOOK
 
 _COVERED = "(" + " ".join(f'"{c}"' for c in COMPONENTS) + ")"
 _JWK_ALG = {ALG_ED25519: "EdDSA", ALG_ES256: "ES256"}  # docs/protocol.md "Signing"
@@ -104,12 +114,8 @@ class SigningKey:
         if not self.key_id or _alg_of(self.private_key) != self.alg:
             raise ValueError(f"key {self.key_id!r}: needs a non-empty key id and a key matching alg {self.alg!r}")
 
-    def public_jwk(self) -> dict[str, object]:
-        """The JWK to publish at the seller's ``jwks_uri`` (docs/protocol.md "Signing").
-
-        ``adcp_use`` is ``request-signing``, the canonical purpose for webhooks; the older
-        ``webhook-signing`` is deprecated though verifiers still accept it.
-        """
+    def public_members(self) -> dict[str, object]:
+        """The public JWK without ``adcp_use``: what identifies the key, whatever its purpose."""
         public = self.private_key.public_key()
         if isinstance(public, ec.EllipticCurvePublicKey):
             numbers = public.public_numbers()
@@ -122,14 +128,11 @@ class SigningKey:
         else:
             raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
             members = {"kty": "OKP", "crv": "Ed25519", "x": _b64url(raw)}
-        return {
-            "kid": self.key_id,
-            **members,
-            "use": "sig",
-            "key_ops": ["verify"],
-            "alg": _JWK_ALG[self.alg],
-            "adcp_use": "request-signing",
-        }
+        return {"kid": self.key_id, **members, "use": "sig", "key_ops": ["verify"], "alg": _JWK_ALG[self.alg]}
+
+    def public_jwk(self, adcp_use: str = DEFAULT_ADCP_USE) -> dict[str, object]:
+        """The JWK to publish at the seller's ``jwks_uri`` (docs/protocol.md "Key purpose")."""
+        return {**self.public_members(), "adcp_use": adcp_use}
 
     def sign(self, data: bytes) -> bytes:
         """Raw signature bytes; ES256 as IEEE P1363 ``r||s`` (64 bytes), not DER (docs/protocol.md "Signing")."""
@@ -197,7 +200,7 @@ def load_signing_key(path: str | os.PathLike[str], key_id: str | None = None) ->
     except ValueError as exc:
         raise ConfigurationError(f"{where}: {exc}") from None
     # A JWK whose x/y disagree with d would make us publish one key and sign with another.
-    if jwk is not None and any(jwk.get(n, v) != v for n, v in key.public_jwk().items() if n in ("x", "y")):
+    if jwk is not None and any(jwk.get(n, v) != v for n, v in key.public_members().items() if n in ("x", "y")):
         raise ConfigurationError(f"{where}: the JWK's public members x/y do not match its 'd'")
     return key
 

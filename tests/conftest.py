@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 from outbox.config import Settings, load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
-from tests import pgserver
+from tests import pgserver, ts_sdk
 
 # `pytest --hypothesis-profile=slow`: property tests that size themselves from the profile
 # (tests/test_url_fidelity.py) run 5,000 examples instead of their default.
@@ -54,6 +54,12 @@ def fresh_db(pg_server_url: str) -> Iterator[str]:
     yield make_url(pg_server_url).set(database=name).render_as_string(hide_password=False)
     with psycopg.connect(pg_server_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def ts_sdk_version() -> str:
+    """The pinned TypeScript ``@adcp/sdk``, installed by ``npm ci`` if missing (tests/ts_sdk.py)."""
+    return ts_sdk.install()
 
 
 def _truncate(engine: Engine) -> None:

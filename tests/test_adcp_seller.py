@@ -3,8 +3,9 @@
 Every piece is the real thing on 127.0.0.1: ``docs/examples/adcp_seller.py`` in its own
 process (the SDK's ``DecisioningPlatform`` served over MCP), the daemon process, an
 ``ADCPClient`` buyer, and a receiver built on the SDK's ``WebhookReceiver`` that verifies
-each delivery against the JWKS the seller serves. One SQLite file (the default database)
-is shared by the seller and the daemon, as in docs/sdk.md.
+each delivery against the JWKS the seller serves; and the TypeScript ``@adcp/sdk``'s
+conformance runner, an AdCP 3.0 buyer with its own receiver and verifier. One SQLite file
+(the default database) is shared by the seller and the daemon, as in docs/sdk.md.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from sqlalchemy import select, text
 from outbox.config import load_settings
 from outbox.db import make_engine
 from outbox.schema import messages
-from tests import adcp_schema, procs
+from tests import adcp_schema, procs, ts_sdk
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,12 +46,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """The seller and the daemon, sharing one SQLite database and one signing key."""
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The seller and the daemon, sharing one SQLite database and one signing key; booted
+    once for the module (the SDK's start-up is most of each test), so each test reads only
+    the rows of its own buyer."""
+    tmp_path = tmp_path_factory.mktemp("stack")
     key, _ = procs.make_key(tmp_path)
     database_url = f"sqlite:///{tmp_path / 'seller.db'}"
     env = procs.daemon_env(database_url, key, retry_horizon_seconds=HORIZON)
+    for tuned in ("OUTBOX_RETRY_BASE_SECONDS", "OUTBOX_RETRY_MAX_SECONDS"):
+        del env[tuned]  # the default retry schedule: the conformance storyboard grades it
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     port = free_port()
     seller_log = open(tmp_path / "seller.log", "wb")
@@ -127,7 +133,7 @@ class Receiver:
         self.thread.join(10)
 
 
-def media_buy_request(hook_url: str, operation_id: str, budget: float) -> Any:
+def media_buy_request(hook_url: str, operation_id: str | None, budget: float) -> Any:
     from adcp import CreateMediaBuyRequest
 
     start = datetime.now(timezone.utc) + timedelta(days=1)
@@ -138,34 +144,45 @@ def media_buy_request(hook_url: str, operation_id: str, budget: float) -> Any:
         "start_time": start.isoformat(), "end_time": (start + timedelta(days=30)).isoformat(),
         "total_budget": {"amount": budget, "currency": "USD"},
         "packages": [{"product_id": "prod_display", "pricing_option_id": "cpm_usd", "budget": budget}],
-        "push_notification_config": {"url": hook_url, "operation_id": operation_id,
-                                     "token": "buyer-token-0123456789"},
-        "context": {"trace": operation_id},
+        "push_notification_config": {"url": hook_url, "token": "buyer-token-0123456789",
+                                     **({"operation_id": operation_id} if operation_id else {})},
+        "context": {"trace": operation_id or "none"},
     })
 
 
-async def buy(base: str, hook_url: str) -> tuple[Any, Any, Any]:
-    """Capabilities, one media buy within the inventory, one over it (which must roll back)."""
+async def buy(base: str, hook_url: str) -> tuple[Any, Any, Any, Any]:
+    """Capabilities, one media buy within the inventory, one over it (which must roll back),
+    and one whose webhook registration lacks the operation_id AdCP 3.1+ requires."""
     from adcp import ADCPClient, AgentConfig
 
     async with ADCPClient(AgentConfig(id="example-seller", agent_uri=f"{base}/mcp", protocol="mcp")) as client:
         capabilities = await client.fetch_capabilities()
         booked = await client.create_media_buy(media_buy_request(hook_url, "op_booked", 5_000.0))
         refused = await client.create_media_buy(media_buy_request(hook_url, "op_refused", 1_000_000.0))
-    return capabilities, booked.data, refused.data
+        anonymous = await client.create_media_buy(media_buy_request(hook_url, None, 1_000.0))
+    return capabilities, booked.data, refused.data, anonymous
+
+
+def _remaining_budget(engine: Any) -> float:
+    with engine.connect() as conn:
+        return float(conn.execute(text("SELECT remaining_budget FROM inventory")).scalar_one())
 
 
 def test_example_seller_end_to_end(stack: dict[str, Any]) -> None:
     daemon_settings = load_settings(env=stack["env"])
+    budget_before = _remaining_budget(stack["engine"])
     with Receiver(f"{stack['base']}/outboxd/jwks.json", daemon_settings.retry_horizon_seconds) as receiver:
         hook_url = f"http://127.0.0.1:{receiver.port}/hooks"
-        capabilities, booked, refused = asyncio.run(buy(stack["base"], hook_url))
+        capabilities, booked, refused, anonymous = asyncio.run(buy(stack["base"], hook_url))
 
         advertised = capabilities.webhook_signing
         assert advertised.supported is True
         assert advertised.delivery_retry_horizon_seconds == daemon_settings.retry_horizon_seconds == HORIZON
         assert booked.status == refused.status == "submitted", (booked, refused)
         booked_task, refused_task = booked.task_id, refused.task_id
+        # This buyer speaks AdCP 3.1+: a registration without operation_id is refused, never served.
+        assert not anonymous.success and "INVALID_REQUEST" in str(anonymous.adcp_error), anonymous
+        assert "push_notification_config.operation_id is required" in str(anonymous.error)
 
         assert procs.wait_until(lambda: len(receiver.received) >= 2 or receiver.rejected, 30), \
             (stack["tmp"] / "daemon.log").read_text()[-3000:]
@@ -186,9 +203,43 @@ def test_example_seller_end_to_end(stack: dict[str, Any]) -> None:
     for body in receiver.received:
         adcp_schema.assert_valid(json.dumps(body).encode())
 
+    ours = (booked_task, refused_task)
     with stack["engine"].connect() as conn:
-        rows = conn.execute(text("SELECT media_buy_id, task_id FROM media_buys")).all()
+        rows = conn.execute(text("SELECT media_buy_id, task_id FROM media_buys WHERE task_id IN (:a, :b)"),
+                            {"a": booked_task, "b": refused_task}).all()
         assert [(r.media_buy_id, r.task_id) for r in rows] == [(completed["result"]["media_buy_id"], booked_task)]
-        assert conn.execute(text("SELECT remaining_budget FROM inventory")).scalar() == 95_000.0
-        stored = conn.execute(select(messages.c.task_id, messages.c.task_status, messages.c.state)).all()
+        stored = conn.execute(select(messages.c.task_id, messages.c.task_status, messages.c.state)
+                              .where(messages.c.task_id.in_(ours))).all()
+    assert _remaining_budget(stack["engine"]) == budget_before - 5_000.0
     assert sorted(stored) == sorted([(booked_task, "completed", "delivered"), (refused_task, "failed", "delivered")])
+
+
+WEBHOOK_EMISSION_STEPS = [
+    "capability_discovery/get_capabilities",
+    "idempotency_key_presence/trigger_webhook_operation", "idempotency_key_presence/expect_webhook_presence",
+    "idempotency_key_stability/trigger_retry_scenario", "idempotency_key_stability/expect_key_stable_across_retries",
+    "signature_validity/trigger_signed_webhook", "signature_validity/expect_signature_valid",
+]
+
+
+def test_typescript_sdk_webhook_emission_storyboard(stack: dict[str, Any], ts_sdk_version: str) -> None:
+    """The TypeScript SDK's conformance runner (AdCP 3.0.6) against the example seller and
+    ``outboxd run``: every step of ``webhook_emission`` passes, the signature step included.
+
+    The runner waits out its 90 s retry window whatever arrives, so this test takes that long.
+    """
+    base = stack["base"]
+    result = ts_sdk.run_storyboard(f"{base}/mcp", f"{base}/outboxd/jwks.json", "webhook_emission")
+    grades = ts_sdk.step_grades(result)
+    assert list(grades) == WEBHOOK_EMISSION_STEPS and set(grades.values()) == {"passed"}, \
+        (grades, (stack["tmp"] / "daemon.log").read_text()[-3000:])
+    failed = [v for p in result["phases"] for s in p["steps"] for v in s.get("validations", []) if not v["passed"]]
+    assert failed == []
+    # A 3.0 buyer registers no operation_id (the runner keeps its own in the URL path): the
+    # seller sends none rather than parse the URL. One webhook per trigger, the one the
+    # runner answered 503 three times delivered on its fourth attempt.
+    with stack["engine"].connect() as conn:  # the other test's buyer registers operation ids
+        rows = conn.execute(select(messages.c.operation_id, messages.c.state, messages.c.attempts)
+                            .where(messages.c.operation_id.is_(None))).all()
+    assert sorted(rows, key=lambda r: r.attempts) == [(None, "delivered", 1), (None, "delivered", 1),
+                                                      (None, "delivered", 4)]

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as settings_profile
+from hypothesis import strategies as st
 from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import aio
+from outbox import aio, protocol
 from outbox.db import make_async_engine
 from outbox.identity import stream_key
 from outbox.schema import messages, sequences
 from tests import stored
-from tests.adcp_schema import assert_valid
+from tests.adcp_schema import assert_valid, version_envelope
 
 PNC = {"url": "https://buyer.example.com/hooks/adcp?channel=1", "operation_id": "op_123",
        "token": "tok_abcdefghijklmnop"}
@@ -52,6 +56,29 @@ def test_task_webhook_renders_the_adcp_envelope_once(engine, settings):
     assert row.body_sha256 == hashlib.sha256(row.body).digest()
     assert row.state == "pending" and row.auth_mode == "rfc9421" and row.origin == "https://buyer.example.com"
     assert_valid(raw)
+
+
+@pytest.mark.parametrize("operation_id", [None, "op_30"])
+def test_an_adcp_3_0_registration_may_lack_operation_id_and_its_webhook_then_has_none(engine, settings,
+                                                                                       operation_id):
+    registration = {k: v for k, v in PNC.items() if k != "operation_id"}
+    if operation_id is not None:
+        registration["operation_id"] = operation_id
+    with engine.begin() as conn:
+        record = _task(conn, settings, push_notification_config=registration, adcp_version="3.0")
+    raw = stored.body(engine, record.id, settings)
+    assert json.loads(raw).get("operation_id") == operation_id and stored.row(engine, record.id).operation_id == operation_id
+    assert_valid(raw, release="3.0")  # the payload schema the buyer's release defines
+
+
+@settings_profile(max_examples=300)
+@given(st.one_of(st.from_regex(r"3\.[0-9](-[a-z0-9.]{1,6})?", fullmatch=True), st.text(max_size=12)))
+def test_only_a_release_pinned_to_adcp_3_0_may_omit_operation_id(version):
+    """Against the version envelope's own pattern: AdCP 3.0, release precision, pre-release or not."""
+    envelope = re.compile(version_envelope()["properties"]["adcp_version"]["pattern"])
+    is_3_0 = envelope.search(version) is not None and version.split("-", 1)[0] == "3.0" and "\n" not in version
+    assert protocol.requires_operation_id(version) is not is_3_0
+    assert protocol.requires_operation_id(None) is True
 
 
 def test_non_terminal_status_has_no_notification_id(engine, settings):
@@ -165,6 +192,9 @@ BAD_INPUTS = [
     ("url", dict(push_notification_config={**PNC, "url": "https://169.254.169.254/latest"})),
     ("operation_id", dict(push_notification_config={k: v for k, v in PNC.items() if k != "operation_id"})),
     ("operation_id", dict(push_notification_config={**PNC, "operation_id": "op with spaces"})),
+    ("operation_id", dict(push_notification_config={k: v for k, v in PNC.items() if k != "operation_id"},
+                          adcp_version="3.1")),
+    ("adcp_version", dict(adcp_version=3)),
     ("task_type", dict(task_type="make_coffee")),
     ("status", dict(status="done")),
     ("result", dict(result={"blob": "x" * (1024 * 1024)})),

@@ -75,7 +75,7 @@ def test_bootstrap_registers_the_configured_keys_once(engine, tmp_path):
     assert all(Path(r.key_file).is_absolute() for r in snap.records)
     jwks = keyring.jwks_document(snap.records, snap.now)
     assert [k["kid"] for k in jwks["keys"]] == ["k1", "acme-1"]
-    assert all(k["adcp_use"] == "request-signing" and "d" not in k for k in jwks["keys"])
+    assert all(k["adcp_use"] == "webhook-signing" and "d" not in k for k in jwks["keys"])  # the default purpose
 
 
 def test_stage_publishes_without_signing_and_promotion_waits_for_the_cache_window(engine, tmp_path, seeded):
@@ -266,8 +266,8 @@ def test_cli_rotation_from_the_config_key(database_url, tmp_path, capsys, monkey
     assert code == 0 and json.loads(out)["signatures"][0]["protected"]
 
 
-def test_cli_stages_a_jwk_with_its_kid_and_warns_on_the_deprecated_purpose(database_url, tmp_path, capsys,
-                                                                          monkeypatch):
+def test_cli_stages_a_jwk_with_its_kid_and_warns_on_the_purpose_3_0_buyers_reject(database_url, tmp_path, capsys,
+                                                                                  monkeypatch):
     monkeypatch.setenv("OUTBOX_SIGNING_KEY_FILE", str(key_file(tmp_path, "k1")))
     monkeypatch.setenv("OUTBOX_SIGNING_KEY_ID", "k1")
     jwk = {**load_signing_key(key_file(tmp_path, "j"), "from-jwk").public_jwk(), "d": None}
@@ -277,10 +277,14 @@ def test_cli_stages_a_jwk_with_its_kid_and_warns_on_the_deprecated_purpose(datab
     jwk["d"] = keyring._b64url(raw)
     (tmp_path / "j.jwk").write_text(json.dumps(jwk))
     code, out, err = run_cli(capsys, monkeypatch, database_url, "rotate", "--tenant", "acme", "--key-file",
-                             str(tmp_path / "j.jwk"), "--adcp-use", "webhook-signing", "--json")
-    assert code == 0 and json.loads(out)["staged"] == "from-jwk" and "deprecated (adcp#5555)" in err
+                             str(tmp_path / "j.jwk"), "--adcp-use", "request-signing", "--json")
+    assert code == 0 and json.loads(out)["staged"] == "from-jwk" and "webhook_mode_mismatch" in err
+    code, out, err = run_cli(capsys, monkeypatch, database_url, "rotate", "--generate", str(tmp_path / "g.pem"),
+                             "--kid", "generated", "--json")
+    assert code == 0 and err == ""  # the default purpose verifies for every buyer: nothing to warn about
     code, out, _ = run_cli(capsys, monkeypatch, database_url, "jwks")
     keys = {k["kid"]: k for k in json.loads(out)["keys"]}
-    assert keys["from-jwk"]["adcp_use"] == "webhook-signing" and keys["k1"]["adcp_use"] == "request-signing"
+    assert {kid: k["adcp_use"] for kid, k in keys.items()} == {
+        "k1": "webhook-signing", "generated": "webhook-signing", "from-jwk": "request-signing"}
     code, _, err = run_cli(capsys, monkeypatch, database_url, "rotate", "--key-file", str(tmp_path / "absent.pem"))
     assert code == 1 and "cannot read it" in err

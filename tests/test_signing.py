@@ -170,7 +170,7 @@ def key(request: pytest.FixtureRequest, tmp_path: Path) -> SigningKey:
 def test_sdk_verifies_our_signature(key: SigningKey) -> None:
     headers = signature_headers(key, url=URL, body=BODY)
     jwk = key.public_jwk()
-    assert jwk["adcp_use"] == "request-signing" and jwk["key_ops"] == ["verify"] and jwk["use"] == "sig"
+    assert jwk["adcp_use"] == "webhook-signing" and jwk["key_ops"] == ["verify"] and jwk["use"] == "sig"
     assert jwk["alg"] == {ALG_ED25519: "EdDSA", ALG_ES256: "ES256"}[key.alg]
     assert _sdk_verify(url=URL, headers=headers, body=BODY, jwk=jwk, now=time.time()) == key.key_id
     if key.alg == ALG_ES256:

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import outbox
-from outbox import aio
+from outbox import aio, protocol
 from outbox.db import make_async_engine, make_engine
 from outbox.migrate import upgrade
 from supervisor import keyring
@@ -89,9 +89,19 @@ class ExampleSeller(DecisioningPlatform):
     def create_media_buy(self, req: Any, ctx: Any) -> Any:
         # AdCP 3.2: an inline terminal result must not be followed by a task webhook, so
         # the webhook belongs to a task, with the task id the SDK issues.
-        return ctx.handoff_to_task(functools.partial(self.book, req))
+        served_as = ctx.resolved_adcp_version
+        registration = req.push_notification_config
+        if registration is not None and registration.operation_id is None \
+                and not protocol.requires_operation_id(served_as):
+            # An AdCP 3.0 buyer: 3.0 has no push_notification_config.operation_id, so its
+            # webhook carries none (never one parsed from the URL). The SDK refuses any task
+            # registration without one (the 3.1+ rule), so this seller keeps the
+            # registration to itself; a 3.1+ buyer without operation_id is still refused.
+            req.push_notification_config = None
+        return ctx.handoff_to_task(functools.partial(self.book, req, registration, served_as))
 
-    async def book(self, req: Any, task: TaskHandoffContext) -> CreateMediaBuySuccessResponse:
+    async def book(self, req: Any, registration: Any, served_as: str | None,
+                   task: TaskHandoffContext) -> CreateMediaBuySuccessResponse:
         """The task: store the media buy and enqueue its terminal webhook in one transaction."""
         task_id = task.id  # issued by the SDK; the buyer polls and correlates with it
         budget = req.total_budget.amount if req.total_budget else 0.0
@@ -106,9 +116,9 @@ class ExampleSeller(DecisioningPlatform):
             async with engine.begin() as conn:
                 await conn.execute(insert(media_buys).values(
                     media_buy_id=result.media_buy_id, task_id=task_id, total_budget=budget, status="active"))
-                if req.push_notification_config is not None:
+                if registration is not None:
                     await aio.enqueue_task_webhook(
-                        conn, tenant_id=TENANT, push_notification_config=req.push_notification_config,
+                        conn, tenant_id=TENANT, push_notification_config=registration, adcp_version=served_as,
                         task_id=task_id, task_type="create_media_buy", status="completed",
                         result=result, context=req.context)
                 # Anything that fails before the commit, here the inventory CHECK, rolls
@@ -116,15 +126,16 @@ class ExampleSeller(DecisioningPlatform):
                 await conn.execute(update(inventory).values(
                     remaining_budget=inventory.c.remaining_budget - budget))
         except IntegrityError:
-            await self.fail(req, task_id, "the budget exceeds the remaining inventory")
+            await self.fail(req, registration, served_as, task_id, "the budget exceeds the remaining inventory")
         return result
 
-    async def fail(self, req: Any, task_id: str, message: str) -> NoReturn:
+    async def fail(self, req: Any, registration: Any, served_as: str | None, task_id: str,
+                   message: str) -> NoReturn:
         """The buyer asked for a webhook: the failure is terminal, so it gets one too."""
-        if req.push_notification_config is not None:
+        if registration is not None:
             async with engine.begin() as conn:
                 await aio.enqueue_task_webhook(
-                    conn, tenant_id=TENANT, push_notification_config=req.push_notification_config,
+                    conn, tenant_id=TENANT, push_notification_config=registration, adcp_version=served_as,
                     task_id=task_id, task_type="create_media_buy", status="failed", context=req.context,
                     result=CreateMediaBuyErrorResponse(errors=[Error(code="BUDGET_EXCEEDED", message=message)]))
         raise AdcpError("BUDGET_EXCEEDED", message=message, recovery="correctable")
