@@ -30,7 +30,8 @@ class Outcome:
 
     message: Claimed
     # delivered | retry | dead, or, with no request made and no attempt row: expire (past
-    # its horizon when its request would start) | release (the half-open probe went to another daemon)
+    # its horizon when its request would start) | release (the half-open probe went to another
+    # daemon) | pause (the daemon cannot sign or open its credentials now: due again shortly)
     action: str
     outcome: str  # attempt outcome: success | failed | timeout | connection_error | abandoned
     reason: str | None = None  # dead reason
@@ -50,7 +51,8 @@ class UnusableCredential(ValueError):
 
 
 class PreparationError(Exception):
-    """The attempt cannot be made now for a reason of the daemon's, not the message's."""
+    """The attempt cannot be made now for a reason of the daemon's, not the message's: the
+    message waits (no attempt made or counted) until the operator fixes it."""
 
 
 def opened(message: Claimed, settings: Settings) -> Claimed:
@@ -143,8 +145,8 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
         headers = auth_headers(message, url, settings, keys, clock)
     except (SealError, UnusableCredential) as exc:
         return Outcome.dead(message, "invalid", str(exc))
-    except PreparationError as exc:
-        return Outcome(message, "retry", "failed", error=str(exc)[:200])
+    except PreparationError as exc:  # the daemon's to fix (a key): wait, burning no attempt
+        return Outcome(message, "pause", "paused", error=str(exc)[:200])
     # Judged as the request starts, in the database's time (the claim's, carried forward): a
     # message that waited for a slot, or a lease, may have reached its horizon meanwhile.
     if message.db_time() >= message.retry_until:  # never send past enqueue + horizon
