@@ -265,7 +265,7 @@ def register_subscriber(
     secret = None
     if registration.credentials is not None:
         secret = seal_credential(settings, tenant, account, subscriber_id, registration.credentials)
-    if row is not None and row.state == "pending_proof" and not keep_proof and not (renew and state == "pending_proof"):
+    if row is not None and row.state == "pending_proof" and not keep_proof and not (renew and new_proof):
         _cancel_proof(connection, row, "subscriber changed before its URL proof completed")
     values = {"principal_id": owner, "url": registration.url, "event_types": json.dumps(events),
               "auth_mode": registration.auth_mode, "auth_secret": secret, "active": active, "state": state,

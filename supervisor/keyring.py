@@ -360,8 +360,8 @@ def revoke(conn: Connection, kid: str) -> KeyRecord:
     """Stop signing with and publishing ``kid`` now, and list it in ``revoked_kids``.
 
     Revoking the active key leaves its scope without one: its deliveries wait, unsent and
-    with no attempt counted (``Snapshot.paused``), until a next key is promoted. Revoking a key whose promotion is still
-    pending cancels that switch, so the current key keeps signing.
+    with no attempt counted (``Snapshot.paused``), until a next key is promoted. Revoking a
+    key whose promotion is still pending cancels that switch, so the current key keeps signing.
     """
     snapshot = _lock(conn)
     record = next((r for r in snapshot.records if r.kid == kid), None)

@@ -8,6 +8,7 @@ seconds after it too. Both must be measured then, not at the claim.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import hashlib
 import json
@@ -136,3 +137,29 @@ async def test_a_retry_after_date_is_measured_from_the_answer_not_the_claim(tmp_
         server.close()
     assert outcome.action == "retry" and outcome.http_status == 503, outcome
     assert outcome.retry_after == pytest.approx(retry_at - answered_at, abs=1.0), outcome.retry_after
+
+
+@pytest.mark.parametrize("trigger", ["scheduled", "replay"])
+async def test_a_message_whose_horizon_ends_before_its_request_starts_is_never_sent(
+        tmp_path: Path, sqlite_url: str, trigger: str) -> None:
+    """Claimed 1 s before its horizon ended, its request would start 1 s after (it waited for a
+    slot): expired unsent, whether it is a first attempt or a replay; the receiver sees nothing."""
+    connections = []
+    server = await asyncio.start_server(lambda r, w: connections.append(w), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    key, _ = procs.make_key(tmp_path)
+    settings = outbox.load_settings(env=procs.daemon_env(sqlite_url, key))
+    engine = make_async_engine(sqlite_url)
+    keys = CachedKeyring(settings)
+    sender = HttpSender(settings)
+    waited = _claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=2.0)
+    waited = dataclasses.replace(waited, retry_until=waited.claimed_at + 1.0, trigger=trigger)
+    try:
+        await keys.start(engine)
+        outcome = await attempt(waited, settings=settings, keys=keys, sender=sender)
+    finally:
+        await sender.aclose()
+        await engine.dispose()
+        server.close()
+    assert (outcome.action, outcome.reason, outcome.sent) == ("expire", "expired", False)
+    assert connections == []

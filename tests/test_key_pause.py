@@ -94,8 +94,8 @@ def test_revoking_the_active_key_pauses_its_scope_until_a_key_is_promoted(pg_eng
         restarted_log = tmp_path / "d2.log"
         daemon = procs.start_daemon(env, restarted_log)  # no active key at all: runs paused, says so
         try:
-            assert procs.wait_until(lambda: b"daemon.started" in restarted_log.read_bytes() or daemon.poll() is not None,
-                                    60)
+            assert procs.wait_until(
+                lambda: b"daemon.started" in restarted_log.read_bytes() or daemon.poll() is not None, 60)
             assert daemon.poll() is None, restarted_log.read_text()[-2000:]
             assert b"keyring.scope_paused" in restarted_log.read_bytes()
             _cli(env, "keys", "rotate", "--generate", str(tmp_path / "k2.pem"), "--kid", "k2")
