@@ -148,8 +148,10 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
     except PreparationError as exc:  # the daemon's to fix (a key): wait, burning no attempt
         return Outcome(message, "pause", "paused", error=str(exc)[:200])
     # Judged as the request starts, in the database's time (the claim's, carried forward): a
-    # message that waited for a slot, or a lease, may have reached its horizon meanwhile.
-    if message.db_time() >= message.retry_until:  # never send past enqueue + horizon
+    # message that waited for a slot, or a lease, may have reached its horizon meanwhile. The
+    # request's bytes go out once connected, so it starts only if even the slowest connect
+    # allowed ends before the horizon: nothing reaches a receiver past enqueue + horizon.
+    if message.db_time() + settings.connect_timeout_seconds >= message.retry_until:
         return Outcome(message, "expire", "expired", reason="expired", error="retry horizon passed")
     result = await sender.post(url, message.body, headers)
     verdict: Verdict

@@ -49,11 +49,12 @@ def _enqueue_near_horizon(engine, url: str, count: int) -> list[str]:
 
 
 def test_a_message_waiting_for_a_slot_is_never_sent_past_its_horizon(pg_engine, pg_url, tmp_path: Path) -> None:
-    """Default lease and timeouts (a waiting message may start up to 9 s after its claim), two
-    requests per origin (to keep the run short), a receiver that takes 8 s per request: the
-    first round goes out at once, the second would start 8 s later, past the horizon."""
+    """Default lease and read timeout with a 2 s connect timeout (a waiting message may start up
+    to 17 s after its claim), two requests per origin (to keep the run short), a receiver that
+    takes 8 s per request: the first round goes out at once, the second would start 8 s later,
+    past the horizon."""
     key, jwks = procs.make_key(tmp_path)
-    env = procs.daemon_env(pg_url, key, endpoint_concurrency=2, connect_timeout_seconds=10,
+    env = procs.daemon_env(pg_url, key, endpoint_concurrency=2, connect_timeout_seconds=2,
                            read_timeout_seconds=10, lease_seconds=30)
     log_file = tmp_path / "daemon.log"
     with procs.receiver(tmp_path, jwks) as (port, arrivals_log):
@@ -143,7 +144,8 @@ async def test_a_retry_after_date_is_measured_from_the_answer_not_the_claim(tmp_
 async def test_a_message_whose_horizon_ends_before_its_request_starts_is_never_sent(
         tmp_path: Path, sqlite_url: str, trigger: str) -> None:
     """Claimed 1 s before its horizon ended, its request would start 1 s after (it waited for a
-    slot): expired unsent, whether it is a first attempt or a replay; the receiver sees nothing."""
+    slot): expired unsent, whether it is a first attempt or a replay; the receiver sees nothing.
+    And one whose connect could end past the horizon (2 s allowed, 1.5 s left) does not start."""
     connections = []
     server = await asyncio.start_server(lambda r, w: connections.append(w), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -153,13 +155,16 @@ async def test_a_message_whose_horizon_ends_before_its_request_starts_is_never_s
     keys = CachedKeyring(settings)
     sender = HttpSender(settings)
     waited = _claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=2.0)
-    waited = dataclasses.replace(waited, retry_until=waited.claimed_at + 1.0, trigger=trigger)
+    close = _claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=0.0)
+    messages_ = [dataclasses.replace(waited, retry_until=waited.claimed_at + 1.0, trigger=trigger),
+                 dataclasses.replace(close, retry_until=close.claimed_at + 1.5, trigger=trigger)]
     try:
         await keys.start(engine)
-        outcome = await attempt(waited, settings=settings, keys=keys, sender=sender)
+        outcomes = [await attempt(m, settings=settings, keys=keys, sender=sender) for m in messages_]
     finally:
         await sender.aclose()
         await engine.dispose()
         server.close()
-    assert (outcome.action, outcome.reason, outcome.sent) == ("expire", "expired", False)
+    assert settings.connect_timeout_seconds == 2
+    assert [(o.action, o.reason, o.sent) for o in outcomes] == [("expire", "expired", False)] * 2
     assert connections == []
