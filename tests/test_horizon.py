@@ -13,7 +13,10 @@ import email.utils
 import hashlib
 import json
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select, text
@@ -116,26 +119,33 @@ def _claimed(url: str, *, claimed_ago: float) -> Claimed:
                    claim_sent=time.monotonic() - claimed_ago)
 
 
-async def test_a_retry_after_date_is_measured_from_the_answer_not_the_claim(tmp_path: Path, sqlite_url: str) -> None:
-    """The message waited 6 s for its slot and the receiver took 1 s to answer 503 with a date
-    30 s ahead: the retry waits until that date, not 7 s more."""
-    retry_at = round(time.time()) + 30
-    server = await asyncio.start_server(lambda r, w: _answer_later(1.0, retry_at, r, w), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+@asynccontextmanager
+async def _attempts(tmp_path: Path, sqlite_url: str, handler) -> AsyncIterator[tuple[int, Any]]:
+    """A receiver on 127.0.0.1 serving ``handler``, its port, and the daemon's attempt function
+    (connect timeout 2 s, the keyring seeded on SQLite)."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
     key, _ = procs.make_key(tmp_path)
     settings = outbox.load_settings(env=procs.daemon_env(sqlite_url, key))
+    assert settings.connect_timeout_seconds == 2
     engine = make_async_engine(sqlite_url)
     keys = CachedKeyring(settings)
     sender = HttpSender(settings)
     try:
         await keys.start(engine)
-        outcome = await attempt(_claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=6.0), settings=settings,
-                                keys=keys, sender=sender)
-        answered_at = time.time()
+        yield server.sockets[0].getsockname()[1], lambda m: attempt(m, settings=settings, keys=keys, sender=sender)
     finally:
         await sender.aclose()
         await engine.dispose()
         server.close()
+
+
+async def test_a_retry_after_date_is_measured_from_the_answer_not_the_claim(tmp_path: Path, sqlite_url: str) -> None:
+    """The message waited 6 s for its slot and the receiver took 1 s to answer 503 with a date
+    30 s ahead: the retry waits until that date, not 7 s more."""
+    retry_at = round(time.time()) + 30
+    async with _attempts(tmp_path, sqlite_url, lambda r, w: _answer_later(1.0, retry_at, r, w)) as (port, send):
+        outcome = await send(_claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=6.0))
+        answered_at = time.time()
     assert outcome.action == "retry" and outcome.http_status == 503, outcome
     assert outcome.retry_after == pytest.approx(retry_at - answered_at, abs=1.0), outcome.retry_after
 
@@ -147,24 +157,10 @@ async def test_a_message_whose_horizon_ends_before_its_request_starts_is_never_s
     slot): expired unsent, whether it is a first attempt or a replay; the receiver sees nothing.
     And one whose connect could end past the horizon (2 s allowed, 1.5 s left) does not start."""
     connections = []
-    server = await asyncio.start_server(lambda r, w: connections.append(w), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    key, _ = procs.make_key(tmp_path)
-    settings = outbox.load_settings(env=procs.daemon_env(sqlite_url, key))
-    engine = make_async_engine(sqlite_url)
-    keys = CachedKeyring(settings)
-    sender = HttpSender(settings)
-    waited = _claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=2.0)
-    close = _claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=0.0)
-    messages_ = [dataclasses.replace(waited, retry_until=waited.claimed_at + 1.0, trigger=trigger),
-                 dataclasses.replace(close, retry_until=close.claimed_at + 1.5, trigger=trigger)]
-    try:
-        await keys.start(engine)
-        outcomes = [await attempt(m, settings=settings, keys=keys, sender=sender) for m in messages_]
-    finally:
-        await sender.aclose()
-        await engine.dispose()
-        server.close()
-    assert settings.connect_timeout_seconds == 2
+    async with _attempts(tmp_path, sqlite_url, lambda r, w: connections.append(w)) as (port, send):
+        waited = _claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=2.0)
+        close = _claimed(f"http://127.0.0.1:{port}/hook", claimed_ago=0.0)
+        outcomes = [await send(dataclasses.replace(waited, retry_until=waited.claimed_at + 1.0, trigger=trigger)),
+                    await send(dataclasses.replace(close, retry_until=close.claimed_at + 1.5, trigger=trigger))]
     assert [(o.action, o.reason, o.sent) for o in outcomes] == [("expire", "expired", False)] * 2
     assert connections == []
