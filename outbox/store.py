@@ -14,9 +14,10 @@ JSON parameter, so a completion batch is one UPDATE whatever its size.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import bindparam, text, tuple_
@@ -282,6 +283,18 @@ class Claimed:
     breaker_state: str | None = None  # this endpoint's breaker at claim time (None: no row)
     breaker_open_until: float | None = None
     body_key_id: str | None = None  # the key the stored body is sealed under (None: plaintext)
+    # time.monotonic() when the claim statement was sent: its lease and ``claimed_at`` are no
+    # older than this, whatever the round trip (or, on SQLite, the wait for the write lock) took.
+    claim_sent: float = field(default_factory=time.monotonic)
+
+    def db_time(self) -> float:
+        """The database's time now, from the claim's: ``claimed_at`` plus the monotonic time
+        since the claim was sent (docs/architecture.md "Time comes from the database").
+
+        Never earlier than the truth (the statement read its clock after it was sent), so a
+        horizon judged with it is never overrun; late by at most the claim's round trip.
+        """
+        return self.claimed_at + (time.monotonic() - self.claim_sent)
 
 
 @dataclass(frozen=True)
@@ -312,6 +325,7 @@ async def claim(
     daemon_id: str,
     endpoint_concurrency: int,
     done_ids: Iterable[int] = (),
+    sent: float | None = None,
 ) -> list[Claimed]:
     """Lease up to ``limit`` messages that may be sent now, in one statement.
 
@@ -322,7 +336,11 @@ async def claim(
     Each row's origin is recomputed from its URL with :func:`outbox.urls.endpoint_origin`
     (the completion writes back a stored one that differs): a row a plain-SQL producer wrote
     on SQLite, or with an origin of its own, is keyed like every other.
+
+    ``sent`` is when (``time.monotonic()``) the caller began the claim, before opening its
+    transaction; each message carries it as ``claim_sent`` (now, if not given).
     """
+    sent = time.monotonic() if sent is None else sent
     token = uuid.uuid4().hex
     result = await conn.execute(sql(conn).claim, {
         "limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
@@ -338,6 +356,7 @@ async def claim(
             retry_until=float(r.retry_until), created_at=float(r.created_at), trigger=r.trigger,
             claimed_at=float(r.claimed_at), lease_token=token, breaker_state=r.breaker_state,
             breaker_open_until=None if r.breaker_open_until is None else float(r.breaker_open_until),
+            claim_sent=sent,
         )
         for r in result
     ]

@@ -166,6 +166,15 @@ def _cancel_proof(connection: Connection, row: Any, why: str) -> None:
                            .values(state="dead", dead_reason="proof_failed", finished_at=db_now(), last_error=why))
 
 
+def _proof_ended(connection: Connection, row: Any) -> bool:
+    """Whether a ``pending_proof`` row's challenge is over (delivered, dead or purged) although
+    the row was never settled."""
+    if row.state != "pending_proof" or row.challenge_message_id is None:
+        return False
+    state = connection.execute(select(messages.c.state).where(messages.c.id == row.challenge_message_id)).scalar()
+    return state not in ("pending", "in_flight")
+
+
 def _seller_agent_url(settings: Settings) -> str:
     url = settings.seller_agent_url
     parts = urlsplit(url or "")
@@ -238,7 +247,10 @@ def register_subscriber(
     key = _key(tenant, account, subscriber_id)
     row = _locked(connection, key)
     unchanged = row is not None and (row.config_sha256, bool(row.active), row.principal_id) == (digest, active, owner)
-    if unchanged and row.state != "proof_failed":  # a failed proof is tried again when re-sent
+    # The same configuration waiting on a proof that ended unsettled (a database an older
+    # release left so): proven again, and its held fires wait for the new proof.
+    renew = row is not None and row.config_sha256 == digest and _proof_ended(connection, row)
+    if unchanged and row.state != "proof_failed" and not renew:  # a failed proof is tried again when re-sent
         return _record(row)
     if not active:
         state = "paused"
@@ -246,13 +258,14 @@ def register_subscriber(
         state = "active"
     else:
         state = "pending_proof"
-    keep_proof = row is not None and row.state == "pending_proof" == state and row.config_sha256 == digest
+    keep_proof = (row is not None and row.state == "pending_proof" == state and row.config_sha256 == digest
+                  and not renew)
     new_proof = state == "pending_proof" and not keep_proof
     agent_url = _seller_agent_url(settings) if new_proof else None  # every check before the first write
     secret = None
     if registration.credentials is not None:
         secret = seal_credential(settings, tenant, account, subscriber_id, registration.credentials)
-    if row is not None and row.state == "pending_proof" and not keep_proof:
+    if row is not None and row.state == "pending_proof" and not keep_proof and not (renew and new_proof):
         _cancel_proof(connection, row, "subscriber changed before its URL proof completed")
     values = {"principal_id": owner, "url": registration.url, "event_types": json.dumps(events),
               "auth_mode": registration.auth_mode, "auth_secret": secret, "active": active, "state": state,

@@ -30,7 +30,8 @@ class Outcome:
 
     message: Claimed
     # delivered | retry | dead, or, with no request made and no attempt row: expire (past
-    # its horizon when claimed) | release (the half-open probe went to another daemon)
+    # its horizon when its request would start) | release (the half-open probe went to another
+    # daemon) | pause (the daemon cannot sign or open its credentials now: due again shortly)
     action: str
     outcome: str  # attempt outcome: success | failed | timeout | connection_error | abandoned
     reason: str | None = None  # dead reason
@@ -50,7 +51,8 @@ class UnusableCredential(ValueError):
 
 
 class PreparationError(Exception):
-    """The attempt cannot be made now for a reason of the daemon's, not the message's."""
+    """The attempt cannot be made now for a reason of the daemon's, not the message's: the
+    message waits (no attempt made or counted) until the operator fixes it."""
 
 
 def opened(message: Claimed, settings: Settings) -> Claimed:
@@ -132,8 +134,6 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
 
     ``clock`` stamps the signature; the daemon passes its database-corrected one.
     """
-    if message.claimed_at >= message.retry_until:  # never send past enqueue + horizon
-        return Outcome(message, "expire", "expired", reason="expired", error="retry horizon passed")
     try:
         message = opened(message, settings)
     except SealError as exc:
@@ -145,14 +145,20 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
         headers = auth_headers(message, url, settings, keys, clock)
     except (SealError, UnusableCredential) as exc:
         return Outcome.dead(message, "invalid", str(exc))
-    except PreparationError as exc:
-        return Outcome(message, "retry", "failed", error=str(exc)[:200])
+    except PreparationError as exc:  # the daemon's to fix (a key): wait, burning no attempt
+        return Outcome(message, "pause", "paused", error=str(exc)[:200])
+    # Judged as the request starts, in the database's time (the claim's, carried forward): a
+    # message that waited for a slot, or a lease, may have reached its horizon meanwhile. The
+    # request's bytes go out once connected, so it starts only if even the slowest connect
+    # allowed ends before the horizon: nothing reaches a receiver past enqueue + horizon.
+    if message.db_time() + settings.connect_timeout_seconds >= message.retry_until:
+        return Outcome(message, "expire", "expired", reason="expired", error="retry horizon passed")
     result = await sender.post(url, message.body, headers)
     verdict: Verdict
     if result.status is None:
         verdict = classify_transport_error(result.error_kind or "connection_error")
     else:
-        verdict = classify_response(result.status, result.headers, now=message.claimed_at,
+        verdict = classify_response(result.status, result.headers, now=message.db_time(),
                                     retry_after_cap=settings.retry_after_cap_seconds)
     if challenge.is_challenge(message.notification_type):
         verdict = challenge.judge(verdict, attempt=message.attempt, challenge_body=message.body,

@@ -7,16 +7,18 @@ the challenge value in exactly one of ``challenge`` or ``token``
 (https://adcontextprotocol.org/schemas/3.2.4/core/webhook-challenge-response.json). A URL
 gets ``OUTBOX_PROOF_MAX_ATTEMPTS`` tries; then the proof has failed.
 
-When a challenge ends, the completer settles it in the same transaction: the subscriber
-becomes ``active`` and its held fires due now, or ``proof_failed`` and its held fires dead
-``proof_failed``. Only the subscriber's current challenge counts: one superseded by a
-re-registration settles nothing.
+When a challenge ends, however it ends (answered, refused, out of attempts, or past its
+horizon before a request could start), the completer or maintenance settles it in the same
+transaction: the subscriber becomes ``active`` and its held fires due now, or
+``proof_failed`` and its held fires dead ``proof_failed``. Only the subscriber's current
+challenge counts: one superseded by a re-registration settles nothing.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import update
@@ -24,9 +26,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import protocol, store
 from outbox.producer import decode_body
-from outbox.schema import db_now, subscribers
+from outbox.schema import db_now, messages, subscribers
 from outbox.subscribers import fail_held, release_held
 from supervisor.classify import Verdict
+from supervisor.metrics import Metrics
 
 
 def is_challenge(notification_type: str | None) -> bool:
@@ -74,9 +77,30 @@ def judge(verdict: Verdict, *, attempt: int, challenge_body: bytes, response_bod
     return verdict
 
 
-async def settle(conn: AsyncConnection, proven: Sequence[int], failed: Sequence[int]) -> int:
-    """Record finished challenges (message ids); return how many held fires were released."""
-    released = 0
+@dataclass
+class Settled:
+    """What settling a batch of finished challenges did, for the metrics (counted after commit)."""
+
+    proven: int = 0  # subscribers now active
+    failed: int = 0  # subscribers now proof_failed
+    released: int = 0  # held fires made due
+    dead_fires: list[str] = field(default_factory=list)  # tenant of each held fire ended dead proof_failed
+
+    def count(self, metrics: Metrics) -> None:
+        for outcome, n in (("proven", self.proven), ("failed", self.failed)):
+            if n:
+                metrics.proofs.labels(outcome=outcome).inc(n)
+        if self.released:
+            metrics.held_fires.labels(outcome="released").inc(self.released)
+        for tenant in self.dead_fires:
+            metrics.held_fires.labels(outcome="dead").inc()
+            metrics.count_dead("proof_failed", tenant)
+
+
+async def settle(conn: AsyncConnection, proven: Sequence[int], failed: Sequence[int]) -> Settled:
+    """Record finished challenges (message ids): their subscribers become ``active`` (held
+    fires due now) or ``proof_failed`` (held fires dead). Ids of other messages are ignored."""
+    settled = Settled()
     for message_ids, state in ((proven, "active"), (failed, "proof_failed")):
         if not message_ids:
             continue
@@ -91,9 +115,12 @@ async def settle(conn: AsyncConnection, proven: Sequence[int], failed: Sequence[
         if not refs:
             continue
         if state == "active":
-            released += (await conn.execute(release_held(refs))).rowcount
+            settled.proven += len(refs)
+            settled.released += (await conn.execute(release_held(refs))).rowcount
         else:
-            await conn.execute(fail_held(refs, "subscriber URL proof failed"))
-    if released:
+            settled.failed += len(refs)
+            result = await conn.execute(fail_held(refs, "subscriber URL proof failed").returning(messages.c.tenant_id))
+            settled.dead_fires += [r.tenant_id for r in result]
+    if settled.released:
         await store.notify(conn)  # wake idle daemons: the released fires are due now
-    return released
+    return settled

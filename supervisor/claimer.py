@@ -18,6 +18,7 @@ a fixed pause, so a message committed alone is claimed as soon as its NOTIFY arr
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager, nullcontext
 from typing import Any
@@ -156,17 +157,20 @@ class Claimer:
         # most that (requests may end while it runs), so an origin whose held plus claimed
         # reaches the budget may have had due work left behind.
         held = {origin: self._dispatch.held(origin) for origin in self._dispatch.origins()}
+        # Stamped before the transaction opens: a lease is never older than its stamp, however
+        # long the round trip or (SQLite) the wait for the write lock.
+        sent = time.monotonic()
         async with self._connection() as conn:
             batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
                                       horizon_seconds=self._settings.retry_horizon_seconds,
                                       daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
-                                      done_ids=self._unrecorded())
+                                      done_ids=self._unrecorded(), sent=sent)
         self._metrics.claim_batch.observe(len(batch))
         for message in batch:
             held[message.origin or ""] = held.get(message.origin or "", 0) + 1
             if await self._may_send(message):
                 self._dispatch.add(message)
-            else:  # another daemon took this endpoint's half-open probe between our claim and now
+            else:  # another daemon took this endpoint's half-open probe, or the database failed to grant it
                 self._release(message)
         self._capped = len(batch) >= limit or any(n >= self._budget for n in held.values())
         self._metrics.in_flight.set(self.in_flight)
@@ -177,12 +181,20 @@ class Claimer:
 
         The claim returns an endpoint whose breaker is open or half-open only once the
         open period is over, and then one message: it goes if this daemon wins the probe.
+        A probe the database fails to grant is not won: that message goes back, and the rest
+        of the batch goes on (a batch left leased but never started would be rescued as
+        ``abandoned`` attempts no receiver ever saw).
         """
         if message.breaker_state in (None, CircuitState.CLOSED.value):
             return True
-        async with self._connection() as conn:
-            return await store.acquire_probe(conn, message.tenant_id, message.origin or "",
-                                             self._settings.lease_seconds)
+        try:
+            async with self._connection() as conn:
+                return await store.acquire_probe(conn, message.tenant_id, message.origin or "",
+                                                 self._settings.lease_seconds)
+        except Exception as exc:  # an outage shows in the next claim; this message is simply due again
+            self._log.warning("probe.failed", tenant_id=message.tenant_id, origin=message.origin,
+                              error=type(exc).__name__, detail=(str(exc).splitlines() or [""])[0][:200])
+            return False
 
     def _release(self, message: Claimed) -> None:
         """Hand a leased message back untouched: no attempt made, none counted, due at once."""

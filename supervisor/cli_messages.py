@@ -28,9 +28,12 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor import ops
 
     from supervisor.cli_subscribers import counts_by_state
+    from supervisor.keyring import read_snapshot
 
     async def work(conn: Any) -> dict[str, Any]:
-        return {**await ops.status(conn, top=args.top), "subscribers": await counts_by_state(conn)}
+        keys = await conn.run_sync(read_snapshot)
+        return {**await ops.status(conn, top=args.top), "subscribers": await counts_by_state(conn),
+                "signing_paused": list(keys.paused(keys.now).values())}
 
     data = run_async(settings, work)
     data["encryption"] = encryption_summary(settings)
@@ -48,6 +51,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
     print("subscribers " + (", ".join(f"{k} {v}" for k, v in data["subscribers"].items()) or "none"))
+    print("signing    " + ("; ".join(data["signing_paused"]) or "every scope has an active key"))
     return 0
 
 

@@ -39,7 +39,12 @@ async def list_rows(conn: AsyncConnection, *, tenant: str | None, account: str |
         if value is not None:
             query = query.where(column == value)
     query = query.order_by(subscribers.c.tenant_id, subscribers.c.account_id, subscribers.c.subscriber_id)
-    return [_public(_record(r), r) for r in await conn.execute(query.limit(limit))]
+    found = list(await conn.execute(query.limit(limit)))
+    held = dict((await conn.execute(  # fires waiting on a proof: never silent (docs/subscribers.md)
+        select(messages.c.subscriber_ref, func.count()).where(
+            messages.c.held, messages.c.subscriber_ref.in_([r.id for r in found]))
+        .group_by(messages.c.subscriber_ref))).all()) if found else {}
+    return [{**_public(_record(r), r), "held_fires": int(held.get(r.id, 0))} for r in found]
 
 
 async def counts_by_state(conn: AsyncConnection) -> dict[str, int]:
@@ -84,9 +89,9 @@ def cmd_subscribers(args: argparse.Namespace, settings: Settings) -> int:
         if args.json:
             print_json(rows)
         else:
-            table([(r["tenant_id"], r["account_id"], r["subscriber_id"], r["state"], ",".join(r["event_types"]),
-                    r["proven_at"] or "-", r["url"]) for r in rows],
-                  ["TENANT", "ACCOUNT", "SUBSCRIBER", "STATE", "EVENTS", "PROVEN", "URL"])
+            table([(r["tenant_id"], r["account_id"], r["subscriber_id"], r["state"], r["held_fires"],
+                    ",".join(r["event_types"]), r["proven_at"] or "-", r["url"]) for r in rows],
+                  ["TENANT", "ACCOUNT", "SUBSCRIBER", "STATE", "HELD", "EVENTS", "PROVEN", "URL"])
         return 0
     if not (args.tenant and args.account and args.subscriber):
         raise UsageError("show needs --tenant, --account and SUBSCRIBER_ID")

@@ -43,7 +43,10 @@ REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, th
 # A retry whose back-off would pass the horizon gets one last attempt this long before it
 # (time for a claim and a full request), instead of being given up at once.
 LAST_TRY_MARGIN_SECONDS = 60.0
-UNSENT = ("expire", "release")  # claimed but not sent: no attempt made, none counted or logged
+UNSENT = ("expire", "release", "pause")  # claimed but not sent: no attempt made, none counted or logged
+# A message the daemon could not prepare (its scope has no active signing key) is due again
+# this long after: a promoted key signs one second after it commits (supervisor/keyring.py).
+PAUSED_RECHECK_SECONDS = 5.0
 Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
 # Told after each batch: the retryable failures no longer pending here (their request slots
 # free), and the endpoints whose breakers that batch opened.
@@ -251,20 +254,24 @@ class Completer:
             await store.insert_attempts(conn, [record.as_row() for completion, record in plans
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
-            await self._settle_proofs(conn, plans, applied)
+            settled = await self._settle_proofs(conn, batch, plans, applied)
+        settled.count(self._metrics)
         self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded([o.message for o in batch if o.action == "retry"],
                           [key for key, _, after in transitions if after == "open"])
         self._after_commit(batch, plans, applied, transitions, now)
 
-    async def _settle_proofs(self, conn, plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
-                             applied: set[int]) -> None:
-        """Finished URL challenges make their subscribers active or failed (same transaction)."""
-        ended = [(c, r) for c, r in plans if r is not None and c.message_id in applied
-                 and c.state in ("delivered", "dead") and challenge.is_challenge(r.notification_type)]
-        if ended:
-            await challenge.settle(conn, [c.message_id for c, _ in ended if c.state == "delivered"],
-                                   [c.message_id for c, _ in ended if c.state == "dead"])
+    async def _settle_proofs(self, conn, batch: Sequence[Outcome],
+                             plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
+                             applied: set[int]) -> challenge.Settled:
+        """Finished URL challenges make their subscribers active or failed (same transaction),
+        a challenge that expired before its request could start included."""
+        ended = [c for o, (c, _) in zip(batch, plans) if c.message_id in applied
+                 and c.state in ("delivered", "dead") and challenge.is_challenge(o.message.notification_type)]
+        if not ended:
+            return challenge.Settled()
+        return await challenge.settle(conn, [c.message_id for c in ended if c.state == "delivered"],
+                                      [c.message_id for c in ended if c.state == "dead"])
 
     def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
         """The message's new state, and its attempt record (``None``: no attempt was made)."""
@@ -276,6 +283,8 @@ class Completer:
             state, reason = "dead", o.reason
         elif o.action == "release":
             next_at = now
+        elif o.action == "pause":
+            next_at = now + PAUSED_RECHECK_SECONDS
         elif o.outcome == "abandoned":  # interrupted at shutdown: due again at once
             next_at = now
         else:  # retry

@@ -99,7 +99,8 @@ class Daemon:
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog,
                                unrecorded=lambda: self.completer.unrecorded_ids)
-        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine), self.keys.documents())
+        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine), self.keys.documents(),
+                                   notice=lambda: "; ".join(self.keys.paused().values()) or None)
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
 

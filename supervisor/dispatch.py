@@ -15,7 +15,9 @@ Rules that keep the queue from weakening a promise:
   breaker's threshold plus one round of its concurrency before it trips; once it trips,
   what waits for it is handed back unsent (:meth:`Dispatcher.tripped`).
 * **A lease is never outlived.** A waiting message starts only if its whole attempt
-  (``connect + read`` timeout) still ends inside its lease, with a margin; otherwise it is
+  (``connect + read`` timeout) still ends inside its lease, with a margin, its lease's age
+  counted from when its claim was sent (``Claimed.claim_sent``, never later than the
+  lease began); otherwise it is
   handed back, unsent and uncounted, due again at once. That happens only when an origin's
   requests take many seconds, and costs one cheap claim and release per such message.
 """
@@ -50,7 +52,7 @@ class Dispatcher:
         self._release = release
         self._clock = clock
         self._slots: Counter[str] = Counter()  # per origin: requests open, and failures not yet judged
-        self._waiting: dict[str, deque[tuple[float, Claimed]]] = {}  # per origin: (leased at, message)
+        self._waiting: dict[str, deque[Claimed]] = {}  # per origin: messages in the order leased
         self.queued = 0
         self.running = 0  # requests open now (all origins)
 
@@ -68,7 +70,7 @@ class Dispatcher:
     def add(self, message: Claimed) -> None:
         """A message just leased: it starts now if its origin (and the process) has a slot."""
         origin = message.origin or ""
-        self._waiting.setdefault(origin, deque()).append((self._clock(), message))
+        self._waiting.setdefault(origin, deque()).append(message)
         self.queued += 1
         self._fill(origin)
 
@@ -93,18 +95,18 @@ class Dispatcher:
         """These endpoints' breakers opened: hand back what waits for them, unsent."""
         for tenant, origin in set(endpoints):
             queue = self._waiting.pop(origin, deque())
-            for item in queue:
-                if item[1].tenant_id == tenant:
+            for message in queue:
+                if message.tenant_id == tenant:
                     self.queued -= 1
-                    self._release(item[1])
+                    self._release(message)
                 else:
-                    self._waiting.setdefault(origin, deque()).append(item)
+                    self._waiting.setdefault(origin, deque()).append(message)
 
     def release_all(self) -> None:
         """Hand back every waiting message (shutdown)."""
         queues, self._waiting = self._waiting, {}
         for queue in queues.values():
-            for _, message in queue:
+            for message in queue:
                 self._release(message)
         self.queued = 0
 
@@ -127,9 +129,9 @@ class Dispatcher:
     def _fill(self, origin: str) -> None:
         queue = self._waiting.get(origin)
         while queue and self._slots[origin] < self._cap and self.running < self._concurrency:
-            leased_at, message = queue.popleft()
+            message = queue.popleft()
             self.queued -= 1
-            if self._clock() - leased_at > self._max_wait:
+            if self._clock() - message.claim_sent > self._max_wait:
                 self._release(message)  # its attempt could outlive its lease now
                 continue
             self._slots[origin] += 1

@@ -28,8 +28,13 @@ def parse_addr(addr: str, setting: str = "OUTBOX_METRICS_ADDR") -> tuple[str, in
 
 class HealthServer:
     def __init__(self, metrics: Metrics, ready_check: Callable[[], Awaitable[str | None]],
-                 documents: Mapping[str, Callable[[], bytes | None]] | None = None) -> None:
+                 documents: Mapping[str, Callable[[], bytes | None]] | None = None,
+                 notice: Callable[[], str | None] = lambda: None) -> None:
         self._metrics = metrics
+        # What a ready daemon still wants the operator to know (a scope paused for want of a
+        # key): said on /readyz's line, without failing it (restarting would not help, and
+        # the daemon still serves every other scope and the JWKS).
+        self._notice = notice
         self._documents = dict(documents or {})  # path -> JSON bytes now (None: not available)
         self._ready_check = ready_check
         self._ready: tuple[float, str | None] = (0.0, "not checked yet")
@@ -69,7 +74,8 @@ class HealthServer:
             elif path == "/readyz":
                 problem = await self._readiness()
                 status, ctype = (200, "text/plain") if problem is None else (503, "text/plain")
-                body = b"ready\n" if problem is None else problem.encode() + b"\n"
+                notice = self._notice() if problem is None else None
+                body = (problem or ("ready; " + notice if notice else "ready")).encode() + b"\n"
             elif (document := self._documents[path]() if path in self._documents else None) is not None:
                 status, ctype, body = 200, "application/json", document
             else:

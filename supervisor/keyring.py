@@ -155,6 +155,25 @@ class Snapshot:
     def active(self, scope: str, now: float) -> KeyRecord | None:
         return next((r for r in self.by_scope.get(scope, ()) if r.state(now) == "active"), None)
 
+    def paused(self, now: float) -> dict[str, str]:
+        """The scopes that sign for someone but have no active key at ``now`` (all revoked, or
+        retired with none promoted), each with the one line that says so and what to do.
+
+        Their deliveries wait, unsent and uncounted (``supervisor.attempt``), until a key is
+        promoted: a missing key is the seller's to fix, never the buyer's attempt to burn.
+        """
+        lines = {}
+        for scope, records in self.by_scope.items():
+            if self.active(scope, now) is not None or (scope != DEFAULT_SCOPE and
+                                                       self.own_since.get(scope, float("inf")) > now):
+                continue
+            flag = "" if scope == DEFAULT_SCOPE else f" --tenant {scope}"
+            fix = (f"`outboxd keys promote{flag}`" if any(r.state(now) == "next" for r in records) else
+                   f"`outboxd keys rotate{flag} --generate FILE`, then `outboxd keys promote{flag}`")
+            lines[scope] = (f"{scope_label(scope)} has no active signing key: its deliveries are paused "
+                            f"(held, no attempt made) until one is promoted: {fix}")
+        return lines
+
     def signer(self, now: float) -> KeyRecord | None:
         """The key that signs operator documents (the revocation list): a published key, the
         default scope's active one if there is one (a revoked or retiring key never signs)."""
@@ -341,9 +360,9 @@ def _update(conn: Connection, record: KeyRecord, **times: float | None) -> KeyRe
 def revoke(conn: Connection, kid: str) -> KeyRecord:
     """Stop signing with and publishing ``kid`` now, and list it in ``revoked_kids``.
 
-    Revoking the active key leaves its scope without one: its deliveries wait (and are
-    retried) until a next key is promoted. Revoking a key whose promotion is still
-    pending cancels that switch, so the current key keeps signing.
+    Revoking the active key leaves its scope without one: its deliveries wait, unsent and
+    with no attempt counted (``Snapshot.paused``), until a next key is promoted. Revoking a
+    key whose promotion is still pending cancels that switch, so the current key keeps signing.
     """
     snapshot = _lock(conn)
     record = next((r for r in snapshot.records if r.kid == kid), None)

@@ -60,6 +60,7 @@ class CachedKeyring:
         self._snapshot: Snapshot | None = None
         self._keys: dict[str, SigningKey] = {}
         self._problems: dict[str, str] = {}
+        self._paused: dict[str, str] = {}  # as last logged
         self._offset = 0.0  # database time minus local time
         self._wake = asyncio.Event()
         self._log = structlog.get_logger("outboxd.keyring")
@@ -87,11 +88,11 @@ class CachedKeyring:
             if kid and all(r.kid != kid for r in snapshot.by_scope.get(scope, ())):
                 self._log.warning("keyring.config_key_ignored", scope=scope, key_file=file, kid=kid,
                                   hint="the keyring manages this scope: use `outboxd keys rotate`")
-        active = [r for r in (snapshot.active(s, now) for s in snapshot.by_scope) if r is not None]
-        if not active:
+        if not snapshot.records:
             raise ConfigurationError("no signing key: set OUTBOX_SIGNING_KEY_FILE (`outboxd keys generate` makes "
                                      "one) or stage and promote one with `outboxd keys rotate`")
-        for record in active:
+        # A scope whose keys were all revoked is paused, not a reason to exit (_install logged it).
+        for record in (r for r in (snapshot.active(s, now) for s in snapshot.by_scope) if r is not None):
             if record.kid not in self._keys:
                 raise ConfigurationError(self._problems[record.kid])
 
@@ -124,6 +125,7 @@ class CachedKeyring:
                                                    .where(keyring.c.id == 1))).one()
             self._offset = float(db_time) - (sent + time.time()) / 2
             if self._snapshot is not None and self._snapshot.version == version:
+                self._log_pauses()
                 return False
             snapshot = await conn.run_sync(read_snapshot)
         self._install(snapshot)
@@ -148,6 +150,24 @@ class CachedKeyring:
                 self._log.info("keyring.switch", kid=record.kid, scope=record.scope, at=record.activates_at,
                                in_seconds=round(record.activates_at - now, 3))
         self._snapshot = snapshot
+        self._log_pauses()
+
+    def paused(self) -> dict[str, str]:
+        """Scopes whose deliveries wait for a key now, each with one line saying why and the fix."""
+        if self._snapshot is None:
+            return {}
+        return self._snapshot.paused(self.now())
+
+    def _log_pauses(self) -> None:
+        """One log line when a scope's deliveries pause (with the fix), and one when they resume
+        (checked on every poll: a promoted key becomes active a second after the change)."""
+        paused = self.paused()
+        for scope, line in paused.items():
+            if scope not in self._paused:
+                self._log.error("keyring.scope_paused", scope=scope, detail=line)
+        for scope in self._paused.keys() - paused.keys():
+            self._log.info("keyring.scope_resumed", scope=scope)
+        self._paused = paused
 
     def resolve(self, tenant_id: str) -> SigningKey:
         """The key that signs for ``tenant_id`` now: its scope's active key."""
@@ -155,8 +175,8 @@ class CachedKeyring:
         scope = snapshot.scope_of(tenant_id, now)
         record = snapshot.active(scope, now)
         if record is None:
-            raise ConfigurationError(f"{scope_label(scope)} has no active signing key: promote one "
-                                     "(`outboxd keys promote`)")
+            raise ConfigurationError(snapshot.paused(now).get(scope)
+                                     or f"{scope_label(scope)} has no active signing key")
         key = self._keys.get(record.kid)
         if key is None:
             raise ConfigurationError(self._problems.get(record.kid, f"key {record.kid!r} is not loaded"))

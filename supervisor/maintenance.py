@@ -84,7 +84,8 @@ class Maintenance:
                 if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
-                        await challenge.settle(conn, [], [r.id for r in expired])  # an expired proof failed
+                        settled = await challenge.settle(conn, [], [r.id for r in expired])  # an expired proof failed
+                    settled.count(self._metrics)
                     for row in expired:
                         self._metrics.count_dead("expired", row.tenant_id)
                     if expired:

@@ -75,12 +75,20 @@ class Metrics:
                                      buckets=BATCH_BUCKETS, registry=r)
         self.sink_errors = Counter("outbox_sink_errors", "Attempts a sink failed to take (timeout, error, full).",
                                    ["sink"], registry=r)
+        self.proofs = Counter("outbox_subscriber_proofs", "URL proofs of account-level subscribers settled, by "
+                              "outcome (proven, failed).", ["outcome"], registry=r)
+        self.held_fires = Counter("outbox_held_fires", "Fires held for a subscriber's URL proof that the proof "
+                                  "settled: released (due now) or dead (proof_failed).", ["outcome"], registry=r)
         self.build_info = Gauge("outbox_build_info", "Version of the running outboxd.", ["version"], registry=r)
         self.build_info.labels(version=package_version()).set(1)
         for state in ("pending", "in_flight"):
             self.messages.labels(state=state)
         for state in ("closed", "open", "half_open"):
             self.breakers.labels(state=state)
+        for outcome in ("proven", "failed"):
+            self.proofs.labels(outcome=outcome)
+        for outcome in ("released", "dead"):
+            self.held_fires.labels(outcome=outcome)
 
     def tenant_labels(self, tenant_id: str) -> dict[str, str]:
         return {"tenant": tenant_id} if self.per_tenant else {}

@@ -288,3 +288,26 @@ def test_cli_stages_a_jwk_with_its_kid_and_warns_on_the_purpose_3_0_buyers_rejec
         "k1": "webhook-signing", "generated": "webhook-signing", "from-jwk": "request-signing"}
     code, _, err = run_cli(capsys, monkeypatch, database_url, "rotate", "--key-file", str(tmp_path / "absent.pem"))
     assert code == 1 and "cannot read it" in err
+
+
+def test_a_scope_without_an_active_key_is_paused_with_the_fix_it_needs() -> None:
+    """Only scopes that sign for someone: the default, and a tenant once it owned a key (a
+    tenant with only a staged key still signs with the default scope's)."""
+    def record(kid: str, scope: str, **times: float) -> keyring.KeyRecord:
+        return keyring.KeyRecord(kid=kid, scope=scope, alg="ed25519", key_file="/k.pem", public_jwk={},
+                                 adcp_use=keyring.ADCP_USE_REQUEST, published_at=0.0, **times)
+
+    snapshot = keyring.Snapshot(1, 100.0, (
+        record("d1", "", activates_at=10.0, revoked_at=50.0),  # the default scope's only key, revoked
+        record("d2", "", ),  # staged: promoting it is the fix
+        record("a1", "acme", activates_at=10.0, revoked_at=60.0),  # acme owned a key: paused, never the default's
+        record("b1", "beta"),  # beta only staged one: it still signs with the default scope
+        record("c1", "cargo", activates_at=10.0),  # active
+    ))
+    paused = snapshot.paused(100.0)
+    assert set(paused) == {"", "acme"}
+    assert paused[""].startswith("the default scope has no active signing key: its deliveries are paused")
+    assert paused[""].endswith("`outboxd keys promote`")
+    assert paused["acme"].endswith("`outboxd keys rotate --tenant acme --generate FILE`, then "
+                                   "`outboxd keys promote --tenant acme`")
+    assert snapshot.paused(20.0) == {}, "before the revocations every scope had its key"

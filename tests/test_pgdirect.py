@@ -20,7 +20,7 @@ CLAIM = dict(limit=50, lease_seconds=30.0, horizon_seconds=86_400, endpoint_conc
 
 def _same(claimed: list[store.Claimed]) -> list[store.Claimed]:
     """Claimed rows without what differs between two claims by design (token, clock)."""
-    return [dataclasses.replace(c, lease_token="", claimed_at=0.0, retry_until=0.0) for c in claimed]
+    return [dataclasses.replace(c, lease_token="", claimed_at=0.0, retry_until=0.0, claim_sent=0.0) for c in claimed]
 
 
 async def test_claim_complete_and_attempt_rows_match_sqlalchemy(pg_engine, pg_url) -> None:

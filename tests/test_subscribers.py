@@ -92,6 +92,25 @@ def test_unchanged_resend_changes_nothing_and_a_change_needs_a_fresh_proof(engin
     assert widened.challenge_message_id not in (first.challenge_message_id, moved.challenge_message_id)
 
 
+def test_a_proof_that_ended_unsettled_is_made_again_when_the_same_entry_is_re_sent(engine, cfg):
+    """A database an older release left with a subscriber waiting on a challenge that is
+    already dead: re-sending the unchanged entry queues a new proof, and the fire held
+    meanwhile stays held for it (never ended, never sent unproven)."""
+    first = register(engine, cfg, config("stuck"))
+    with engine.begin() as conn:
+        (fire,) = outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT,
+                                       notification_type="account.status_changed", payload=STATUS_EVENT, settings=cfg)
+        conn.execute(messages.update().where(messages.c.id == first.challenge_message_id)
+                     .values(state="dead", dead_reason="expired", finished_at=db_now()))
+    again = register(engine, cfg, config("stuck"))
+    assert again.state == "pending_proof" and again.challenge_message_id != first.challenge_message_id
+    new = rows(engine, cfg, messages.c.id == again.challenge_message_id)[0]
+    assert new.state == "pending" and new.notification_type == "webhook.challenge"
+    (held,) = rows(engine, cfg, messages.c.id == fire.id)
+    assert held.held and held.state == "pending"
+    assert register(engine, cfg, config("stuck")) == again, "a proof under way is not restarted"
+
+
 def test_paused_subscribers_are_stored_not_proven_and_never_fired_to(engine, cfg):
     paused = register(engine, cfg, config("quiet", active=False))
     assert paused.state == "paused" and not paused.active
@@ -223,8 +242,8 @@ def test_cli_shows_subscribers_their_proof_and_held_fires(engine, cfg, capsys, m
                              payload=STATUS_EVENT, settings=cfg)
     code, out, _ = run_cli(capsys, monkeypatch, url, "subscribers", "list", "--json")
     listed = json.loads(out)
-    assert code == 0 and [(r["subscriber_id"], r["state"]) for r in listed] == [
-        ("audit", "paused"), ("buyer-primary", "pending_proof")]
+    assert code == 0 and [(r["subscriber_id"], r["state"], r["held_fires"]) for r in listed] == [
+        ("audit", "paused", 0), ("buyer-primary", "pending_proof", 1)]
     assert all("?" not in r["url"] and "credentials" not in json.dumps(r) for r in listed)
     code, out, _ = run_cli(capsys, monkeypatch, url, "subscribers", "show", "buyer-primary", "--tenant", "t1",
                            "--account", ACCOUNT, "--json")

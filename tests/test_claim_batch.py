@@ -1,0 +1,131 @@
+"""What the claimer does with a batch between the claim and the first request.
+
+The claimer runs in-process against a real PostgreSQL database; the HTTP request is a
+function that notes when it started, so the test sees exactly what was started and what was
+handed back. Triggers make the database slow or refuse, as a real one may.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from sqlalchemy import select, text
+
+import outbox
+from outbox.db import make_async_engine
+from outbox.schema import breakers, messages
+from supervisor.attempt import Outcome
+from supervisor.claimer import Claimer
+from supervisor.metrics import Metrics
+from supervisor.outage import OutageGuard
+from tests.test_db_faults import enqueue_batch, message_key
+
+URL = "https://buyer.example.com/hook"
+
+
+class Recorder:
+    """The claimer's two exits: a request started (and answered at once), or an outcome."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}  # message id -> host time the request started
+        self.outcomes: list[Outcome] = []
+
+    async def attempt(self, message):
+        self.started[message.id] = time.time()
+        return Outcome(message, "delivered", "success", http_status=200, sent=True)
+
+    def released(self) -> set[int]:
+        return {o.message.id for o in self.outcomes if o.action == "release"}
+
+
+async def _run(pg_url: str, recorder: Recorder, until, **env: str) -> None:
+    settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": pg_url, **env})
+    engine = make_async_engine(pg_url)
+    claimer = Claimer(engine, settings=settings, daemon_id="unit", metrics=Metrics(), attempt=recorder.attempt,
+                      submit=recorder.outcomes.append, outage=OutageGuard(60))
+    task = asyncio.create_task(claimer.run())
+    try:
+        deadline = time.monotonic() + 30
+        while not until() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # anything more it would do, it does now
+    finally:
+        claimer.stop()
+        await asyncio.wait_for(task, 10)
+        await claimer.aclose()
+        await engine.dispose()
+
+
+@contextmanager
+def _trigger(engine, table: str, when: str, body: str) -> Iterator[None]:
+    """A row trigger on ``table`` running ``body`` (PL/pgSQL) before each update ``when``, for
+    the duration of the block."""
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE FUNCTION outbox_test_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN {body}"
+                          " RETURN NEW; END $$"))
+        conn.execute(text(f"CREATE TRIGGER outbox_test BEFORE UPDATE ON {table} FOR EACH ROW WHEN ({when})"
+                          " EXECUTE FUNCTION outbox_test_fn()"))
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TRIGGER outbox_test ON {table}"))
+            conn.execute(text("DROP FUNCTION outbox_test_fn()"))
+
+
+@pytest.fixture
+def slow_leases(pg_engine) -> Iterator[None]:
+    """Each leased row costs the claim statement 0.6 s after it read the clock (a slow disk,
+    a busy server): its leases are that much older than the answer."""
+    with _trigger(pg_engine, "outbox_messages", "NEW.state = 'in_flight'", "PERFORM pg_sleep(0.6);"):
+        yield
+
+
+async def test_a_lease_is_never_older_than_its_stamp_says(pg_engine, pg_url, slow_leases) -> None:
+    """Lease 5 s, attempts of up to 4 s (2 + 2): a message may start only within 0.5 s of its
+    lease's start. The claim of two rows returns 1.2 s after it leased them: neither may
+    start (its attempt could outlive its lease); both go back unsent."""
+    enqueue_batch(pg_engine, [("t", URL, message_key("aged", i)) for i in range(2)])
+    recorder = Recorder()
+    await _run(pg_url, recorder, lambda: len(recorder.started) + len(recorder.released()) >= 2,
+               OUTBOX_LEASE_SECONDS="5", OUTBOX_CONNECT_TIMEOUT_SECONDS="2", OUTBOX_READ_TIMEOUT_SECONDS="2")
+    with pg_engine.connect() as conn:
+        lease_ends = dict(conn.execute(select(messages.c.id, messages.c.lease_expires_at)).all())
+    for message_id, started in recorder.started.items():  # PostgreSQL runs on this host: one clock
+        assert started + 4.0 < lease_ends[message_id], "an attempt that may outlive its lease was started"
+    assert recorder.released() == set(lease_ends), "both leases were too old to start an attempt"
+
+
+@pytest.fixture
+def refused_probes(pg_engine) -> Iterator[None]:
+    """The database refuses to hand out a half-open probe."""
+    with _trigger(pg_engine, "outbox_breakers", "NEW.state = 'half_open'", "RAISE EXCEPTION 'probe refused';"):
+        yield
+
+
+@pytest.mark.parametrize("probe_first", [True, False])
+async def test_a_failed_probe_leaves_nothing_of_its_batch_leased_unstarted(pg_engine, pg_url, refused_probes,
+                                                                           probe_first: bool) -> None:
+    """One batch: the probe of a tripped endpoint (its open period over) and four messages of
+    healthy tenants. The probe fails in the database: the four start, the probe's message
+    goes back unsent, and no row stays leased without a request or a hand-back."""
+    now = time.time()
+    with pg_engine.begin() as conn:
+        conn.execute(breakers.insert().values(tenant_id="bad", origin="https://buyer.example.com", state="open",
+                                              failures=5, trips=1, open_until=now - 1, updated_at=now - 60))
+    healthy = [(f"good{i}", URL, message_key("healthy", i)) for i in range(4)]
+    batches = [[("bad", URL, message_key("probe", 0))], healthy]
+    for batch in (batches if probe_first else batches[::-1]):
+        enqueue_batch(pg_engine, batch)
+    recorder = Recorder()
+    await _run(pg_url, recorder, lambda: len(recorder.started) + len(recorder.released()) >= 5)
+    with pg_engine.connect() as conn:
+        rows = {r.tenant_id: r for r in conn.execute(select(messages.c.id, messages.c.tenant_id, messages.c.state))}
+    leased = {r.id for r in rows.values() if r.state == "in_flight"}
+    assert set(recorder.started) == {rows[f"good{i}"].id for i in range(4)}
+    assert rows["bad"].id in recorder.released() and rows["bad"].id not in recorder.started
+    assert leased <= set(recorder.started) | recorder.released(), "a leased row was neither started nor handed back"
