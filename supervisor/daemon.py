@@ -83,7 +83,7 @@ class Daemon:
         self.daemon_id = new_daemon_id()
         self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics)
         self.engine = make_async_engine(settings.database_url)
-        self.keys = CachedKeyring(settings)
+        self.keys = CachedKeyring(settings, on_scopes=self._count_signing_keys)
         self.sender = sender or HttpSender(settings)
         self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc)
         self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
@@ -103,6 +103,11 @@ class Daemon:
                                    notice=lambda: "; ".join(self.keys.paused().values()) or None)
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
+
+    def _count_signing_keys(self, scopes: dict[str, int]) -> None:
+        """``outbox_signing_active_keys`` per scope (the alert on 0 says webhooks wait for a key)."""
+        for scope, count in scopes.items():
+            self.metrics.signing_active_keys.labels(scope=scope).set(count)
 
     async def wait_for_schema(self, stop: asyncio.Event) -> bool:
         """Wait while the database is behind this release (``outboxd migrate`` has not run yet).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -55,8 +56,9 @@ def load_private_key(record: KeyRecord) -> SigningKey:
 class CachedKeyring:
     """Implements ``supervisor.signing.KeySource`` for the daemon."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, on_scopes: Callable[[dict[str, int]], None] | None = None) -> None:
         self._settings = settings
+        self._on_scopes = on_scopes  # told, on every poll, how many keys can sign now in each scope
         self._snapshot: Snapshot | None = None
         self._keys: dict[str, SigningKey] = {}
         self._problems: dict[str, str] = {}
@@ -168,6 +170,16 @@ class CachedKeyring:
         for scope in self._paused.keys() - paused.keys():
             self._log.info("keyring.scope_resumed", scope=scope)
         self._paused = paused
+        if self._on_scopes is not None:
+            self._on_scopes(self.signing_scopes())
+
+    def signing_scopes(self) -> dict[str, int]:
+        """Each scope of the keyring with 1 if a loaded key signs for it now, else 0."""
+        if self._snapshot is None:
+            return {}
+        now = self.now()
+        return {scope: int((record := self._snapshot.active(scope, now)) is not None and record.kid in self._keys)
+                for scope in self._snapshot.by_scope}
 
     def resolve(self, tenant_id: str) -> SigningKey:
         """The key that signs for ``tenant_id`` now: its scope's active key."""

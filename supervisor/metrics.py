@@ -79,6 +79,9 @@ class Metrics:
                               "outcome (proven, failed).", ["outcome"], registry=r)
         self.held_fires = Counter("outbox_held_fires", "Fires held for a subscriber's URL proof that the proof "
                                   "settled: released (due now) or dead (proof_failed).", ["outcome"], registry=r)
+        self.signing_active_keys = Gauge("outbox_signing_active_keys", "Signing keys able to sign now, per keyring "
+                                         "scope: 0 means that scope's webhooks wait for a key.", ["scope"],
+                                         registry=r)
         self.build_info = Gauge("outbox_build_info", "Version of the running outboxd.", ["version"], registry=r)
         self.build_info.labels(version=package_version()).set(1)
         for state in ("pending", "in_flight"):

@@ -59,6 +59,14 @@ def _rows(engine) -> list:
         return list(conn.execute(select(messages.c.state, messages.c.attempts, messages.c.last_error)))
 
 
+def _active_keys_gauge(port: int) -> set[str]:
+    """The values of ``outbox_signing_active_keys`` (one series per scope) on ``/metrics``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {line.rsplit(" ", 1)[1].removesuffix(".0") for line in text.splitlines()
+            if line.startswith("outbox_signing_active_keys{")}
+
+
 def _attempt_rows(engine) -> int:
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(attempts)).scalar_one()
@@ -83,6 +91,7 @@ def test_revoking_the_active_key_pauses_its_scope_until_a_key_is_promoted(pg_eng
             assert _attempt_rows(pg_engine) == 0 and procs.arrivals(arrivals_log) == []
             status, body = _readyz(metrics_port)
             assert status == 200 and PAUSED in body and body.count("\n") == 1, body
+            assert _active_keys_gauge(metrics_port) == {"0"}, "the alert's gauge says the scope has no key"
             shown = _cli(env, "status").stdout
             assert any(line.startswith("signing") and PAUSED in line and "`outboxd keys rotate --generate FILE`"
                        in line for line in shown.splitlines()), shown
@@ -104,6 +113,7 @@ def test_revoking_the_active_key_pauses_its_scope_until_a_key_is_promoted(pg_eng
             assert [r.attempts for r in _rows(pg_engine)] == [1] * 3, "each delivered on its first attempt"
             assert _attempt_rows(pg_engine) == 3
             assert procs.wait_until(lambda: _readyz(metrics_port)[1] == "ready\n", 10)
+            assert procs.wait_until(lambda: _active_keys_gauge(metrics_port) == {"1"}, 10)
             assert procs.wait_until(lambda: b"keyring.scope_resumed" in restarted_log.read_bytes(), 10)
         finally:
             assert procs.stop(daemon) == 0
