@@ -64,6 +64,9 @@ class Metrics:
         self.database_outages = Counter("outbox_database_outages", "Runs of failed database calls this process "
                                         "rode out (or died of, past OUTBOX_DATABASE_OUTAGE_SECONDS).",
                                         registry=r)
+        self.database_errors = Counter("outbox_database_errors", "Failed database calls by cause: connection, "
+                                       "timeout, statement, prepared_statements (a transaction pooler; "
+                                       "docs/pooler.md).", ["cause"], registry=r)
         self.bodies_resealed = Counter("outbox_bodies_resealed", "Stored bodies moved onto the active encryption key.",
                                        registry=r)
         self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
@@ -81,6 +84,8 @@ class Metrics:
             self.messages.labels(state=state)
         for state in ("closed", "open", "half_open"):
             self.breakers.labels(state=state)
+        for cause in ("connection", "timeout", "statement", "prepared_statements"):
+            self.database_errors.labels(cause=cause)
 
     def tenant_labels(self, tenant_id: str) -> dict[str, str]:
         return {"tenant": tenant_id} if self.per_tenant else {}
