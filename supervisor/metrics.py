@@ -65,7 +65,7 @@ class Metrics:
                                         "rode out (or died of, past OUTBOX_DATABASE_OUTAGE_SECONDS).",
                                         registry=r)
         self.database_errors = Counter("outbox_database_errors", "Failed database calls by cause: connection, "
-                                       "timeout, statement, prepared_statements (a transaction pooler; "
+                                       "timeout, statement, prepared_statements and pooler_startup (a transaction pooler; "
                                        "docs/pooler.md).", ["cause"], registry=r)
         self.bodies_resealed = Counter("outbox_bodies_resealed", "Stored bodies moved onto the active encryption key.",
                                        registry=r)
@@ -84,7 +84,7 @@ class Metrics:
             self.messages.labels(state=state)
         for state in ("closed", "open", "half_open"):
             self.breakers.labels(state=state)
-        for cause in ("connection", "timeout", "statement", "prepared_statements"):
+        for cause in ("connection", "timeout", "statement", "prepared_statements", "pooler_startup"):
             self.database_errors.labels(cause=cause)
 
     def tenant_labels(self, tenant_id: str) -> dict[str, str]:

@@ -8,7 +8,7 @@ path safe: nothing in flight is lost, it is re-leased after expiry.
 The guard counts failed statements, per activity (claiming, recording outcomes, ...), not
 only lost connections: a claim that keeps failing is an outage even while other statements
 succeed, so one activity's success never hides another's stall. A failure that retrying
-cannot cure (prepared statements through a transaction pooler) is named at once, on
+cannot cure (prepared statements or startup options through a transaction pooler) is named at once, on
 ``/readyz``, in the log and in ``outbox_database_errors_total{cause}``, and is not retried:
 the activity waits out the deadline and the daemon exits (docs/pooler.md).
 """
@@ -28,6 +28,8 @@ import structlog
 _PREPARED_STATES = frozenset({"26000", "42P05"})
 POOLER_HINT = ("prepared statements through a transaction pooler; set OUTBOX_DATABASE_POOLER=transaction "
                "(docs/pooler.md)")
+STARTUP_HINT = ("a transaction pooler refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
+                "(docs/pooler.md)")
 
 
 class DatabaseUnavailable(RuntimeError):
@@ -38,13 +40,13 @@ class DatabaseUnavailable(RuntimeError):
 class Cause:
     """Why a database call failed: a metric label and a line for the operator."""
 
-    label: str  # prepared_statements | timeout | connection | statement
+    label: str  # prepared_statements | pooler_startup | timeout | connection | statement
     text: str
 
     @property
     def curable(self) -> bool:
         """Whether retrying may help (a misconfiguration stays until the operator acts)."""
-        return self.label != "prepared_statements"
+        return self.label not in ("prepared_statements", "pooler_startup")
 
 
 def diagnose(exc: BaseException) -> Cause:
@@ -53,6 +55,8 @@ def diagnose(exc: BaseException) -> Cause:
     state = getattr(error, "sqlstate", None)
     if state in _PREPARED_STATES or (state == "08P01" and "prepared statement" in str(error)):
         return Cause("prepared_statements", POOLER_HINT)
+    if "unsupported startup parameter" in str(error):  # PgBouncer refuses libpq's "options"
+        return Cause("pooler_startup", STARTUP_HINT)
     if isinstance(error, TimeoutError) or state == "57014":
         return Cause("timeout", "statement timed out (OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS)")
     if isinstance(error, OSError) or type(error).__name__ in ("OperationalError", "InterfaceError"):

@@ -47,8 +47,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def pgbouncer(server_url: str, *, pool_size: int = 4) -> Iterator[Bouncer]:
-    """PgBouncer with ``pool_mode = transaction`` and ``pool_size`` server connections per database."""
+def pgbouncer(server_url: str, *, pool_size: int = 4, ignore_startup_parameters: str = "") -> Iterator[Bouncer]:
+    """PgBouncer with ``pool_mode = transaction`` and ``pool_size`` server connections per database
+    (and, if given, the ``ignore_startup_parameters`` many installations set)."""
     if not os.access(PGBOUNCER, os.X_OK):
         pytest.fail(f"PgBouncer is not installed ({PGBOUNCER}): apt-get install pgbouncer (.ci/run does)",
                     pytrace=False)
@@ -69,6 +70,7 @@ auth_file = {directory / 'users.txt'}
 pool_mode = transaction
 default_pool_size = {pool_size}
 max_client_conn = 500
+ignore_startup_parameters = {ignore_startup_parameters}
 logfile = {directory / 'pgbouncer.log'}
 pidfile = {directory / 'pgbouncer.pid'}
 """)

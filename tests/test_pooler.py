@@ -206,9 +206,11 @@ def metric(port: int, line_start: str) -> float:
 
 
 def test_prepared_statements_through_pgbouncer_fail_readiness_not_silently(pg_server_url, fresh_url, tmp_path):
+    """A pooler that ignores the ``options`` startup parameter (a common setting) lets the
+    daemon start without OUTBOX_DATABASE_POOLER; its prepared statements then fail."""
     key, jwks = procs.make_key(tmp_path)
     outage = 10
-    with pgbouncer(pg_server_url, pool_size=2) as bouncer:
+    with pgbouncer(pg_server_url, pool_size=2, ignore_startup_parameters="options") as bouncer:
         pooled = bouncer.url(fresh_url)
         ports = [free_port(), free_port()]
         envs = [procs.daemon_env(pooled, key, metrics_addr=f"127.0.0.1:{p}", database_outage_seconds=outage)
@@ -250,3 +252,25 @@ def test_prepared_statements_through_pgbouncer_fail_readiness_not_silently(pg_se
                 for d in daemons:
                     procs.stop(d, signal.SIGKILL)
         engine.dispose()
+
+
+def test_a_daemon_started_without_the_setting_says_which_one(pg_server_url, fresh_url, tmp_path):
+    """PgBouncer refuses the startup options the daemon's engine sends to a direct server: the
+    daemon says at once to set OUTBOX_DATABASE_POOLER, on /readyz and in its last line."""
+    key, _ = procs.make_key(tmp_path)
+    outage = 5
+    with pgbouncer(pg_server_url) as bouncer:
+        pooled = bouncer.url(fresh_url)
+        port = free_port()
+        env = procs.daemon_env(pooled, key, metrics_addr=f"127.0.0.1:{port}", database_outage_seconds=outage)
+        migrate(pooled, env)
+        log = tmp_path / "d.log"
+        daemon = procs.start_daemon(env, log)
+        try:
+            assert procs.wait_until(lambda: "set OUTBOX_DATABASE_POOLER=transaction" in readyz(port)[1], 30), \
+                readyz(port)
+            assert readyz(port)[0] == 503
+            assert daemon.wait(outage + 30) != 0
+        finally:
+            procs.stop(daemon, signal.SIGKILL)
+        assert "refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction" in _exit_line(log)
