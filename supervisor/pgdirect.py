@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+import socket
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
@@ -110,16 +112,17 @@ class DirectConnection:
         list of them (no rows returned then)."""
         conn = await self._connection()
         try:
-            async with asyncio.timeout(self._timeout), AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
-                if isinstance(params, Sequence):
-                    if params:
-                        sql, names = self._compiled(statement, params[0])
-                        await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
-                    return DirectResult([], cursor.rowcount)
-                sql, names = self._compiled(statement, params)
-                await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
-                rows = await cursor.fetchall() if cursor.description is not None else []
-                return DirectResult(rows, cursor.rowcount)
+            with self._deadline(conn):
+                async with AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
+                    if isinstance(params, Sequence):
+                        if params:
+                            sql, names = self._compiled(statement, params[0])
+                            await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
+                        return DirectResult([], cursor.rowcount)
+                    sql, names = self._compiled(statement, params)
+                    await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
+                    rows = await cursor.fetchall() if cursor.description is not None else []
+                    return DirectResult(rows, cursor.rowcount)
         except BaseException as exc:
             await self._forget_if_unusable(conn, exc)
             raise
@@ -129,11 +132,42 @@ class DirectConnection:
         """Run the block's statements in one transaction (committed unless it raises)."""
         conn = await self._connection()
         try:
-            async with asyncio.timeout(self._timeout), conn.transaction():
-                yield self
+            with self._deadline(conn):
+                async with conn.transaction():
+                    yield self
         except BaseException as exc:
             await self._forget_if_unusable(conn, exc)
             raise
+
+    @contextmanager
+    def _deadline(self, conn: psycopg.AsyncConnection[Any]) -> Iterator[None]:
+        """Raise :class:`TimeoutError` if the block outlasts the statement timeout.
+
+        The connection's socket is shut down when the time is up, so the statement fails at
+        once. (Cancelling the task instead would have psycopg ask the server to cancel the
+        statement first, through a new connection to the same unreachable address, for up
+        to 10 s more.)
+        """
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            try:
+                with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except (psycopg.Error, OSError):  # closed meanwhile: nothing left to stop
+                pass
+
+        timer = asyncio.get_running_loop().call_later(self._timeout, expire)
+        try:
+            yield
+        except psycopg.Error as exc:
+            if expired:
+                raise TimeoutError(f"no answer from the database within {self._timeout:g} s") from exc
+            raise
+        finally:
+            timer.cancel()
 
     async def _forget_if_unusable(self, conn: psycopg.AsyncConnection[Any], exc: BaseException) -> None:
         """Drop a connection that is broken or timed out (its state is unknown): the next

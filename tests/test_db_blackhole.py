@@ -104,9 +104,9 @@ def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engin
             proxy.stall()
             stalled_at = time.monotonic()
             enqueue_batch(pg_engine, [("t1", base, message_key("bh", i)) for i in range(5, 10)])
-            # A claim or flush fails after the statement timeout (plus psycopg's bounded attempt
-            # to cancel it); reconnecting fails after the connect timeout; past the outage
-            # deadline the daemon exits. Generous on a busy machine, and finite.
+            # A claim or flush fails after the statement timeout; reconnecting fails after the
+            # connect timeout; past the outage deadline the daemon exits (the driver gives up on
+            # its other statements within 10 s). Generous on a busy machine, and finite.
             assert daemon.wait(timeout + 10 + outage + 40) != 0
             elapsed = time.monotonic() - stalled_at
         finally:
