@@ -33,6 +33,8 @@ MIN_HORIZON = 86_400
 MAX_HORIZON = 604_800
 MIN_ACTIVITY_RETENTION_DAYS = 30  # webhook-activity-record: retained >= 30 days after completed_at
 
+POOLER_MODES = ("none", "transaction")
+
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -82,6 +84,7 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "poll_interval_seconds": _seconds(),
     "shutdown_grace_seconds": _seconds(zero=True),
     "database_outage_seconds": _seconds(),
+    "database_statement_timeout_seconds": Bounds(1.0, 3600.0),
     "retry_base_seconds": _seconds(),
     "retry_max_seconds": _seconds(),
     "retry_after_cap_seconds": _seconds(zero=True),
@@ -123,6 +126,12 @@ class Settings:
     poll_interval_seconds: float = 1.0
     shutdown_grace_seconds: float = 15.0
     database_outage_seconds: float = 60.0
+    # PostgreSQL behind a pooler (docs/pooler.md): "transaction" when the URL goes through a
+    # transaction-mode pooler such as PgBouncer; LISTEN then needs a direct URL of its own.
+    database_pooler: str = "none"
+    listen_database_url: str | None = None
+    # Bounds each of the daemon's claim and completion statements, and a dead TCP peer.
+    database_statement_timeout_seconds: float = 15.0
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 3600.0
     retry_after_cap_seconds: float = 3600.0
@@ -171,6 +180,11 @@ class Settings:
         for low, high in (("retry_base_seconds", "retry_max_seconds"), ("breaker_open_seconds", "breaker_max_open_seconds")):
             if getattr(self, high) < getattr(self, low):
                 raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
+        if self.database_pooler not in POOLER_MODES:
+            raise ConfigurationError(f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r}")
+        if self.listen_database_url is not None and not self.listen_database_url.startswith("postgresql"):
+            raise ConfigurationError("OUTBOX_LISTEN_DATABASE_URL must be a postgresql:// URL (a direct connection "
+                                     "for LISTEN)")
         if self.tls_trust not in ("certifi", "system"):
             raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
         if self.log_format not in ("auto", "json", "console"):
@@ -364,7 +378,7 @@ def effective(settings: Settings) -> dict[str, Any]:
     for name, value in asdict(settings).items():
         if name in SECRET_SETTINGS:
             value = MASK if value else None
-        elif name == "database_url":
+        elif name in ("database_url", "listen_database_url") and value:
             value = make_url(value).render_as_string(hide_password=True)
         elif name == "allowed_cidrs":
             value = [str(n) for n in value]

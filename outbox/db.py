@@ -5,6 +5,12 @@ connection gets WAL, ``synchronous=FULL``, a busy timeout and ``BEGIN IMMEDIATE`
 transactions: a reader
 never blocks the writer, and two writers queue instead of failing with "database is locked"
 half-way through a transaction (docs/architecture.md, "SQLite").
+
+PostgreSQL engines prepare no statements on the server (``prepare_threshold=None``): behind
+a transaction-mode pooler such as PgBouncer, consecutive transactions of one connection run
+on different server connections, where psycopg's prepared statements are missing or belong
+to another client (docs/pooler.md). These engines serve the CLI, ``migrate`` and the
+daemon's less frequent statements, where preparing saves nothing that matters.
 """
 
 from __future__ import annotations
@@ -59,9 +65,21 @@ def configure_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+NO_PREPARED_STATEMENTS: dict[str, Any] = {"prepare_threshold": None}  # psycopg: works behind any pooler
+
+
+def _pooler_safe(driver_url: URL, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with psycopg's server-side prepared statements off on PostgreSQL (unless the
+    caller's ``connect_args`` say otherwise)."""
+    if driver_url.get_backend_name() == "postgresql":
+        kwargs["connect_args"] = {**NO_PREPARED_STATEMENTS, **kwargs.get("connect_args", {})}
+    return kwargs
+
+
 def make_engine(url: str | URL, **kwargs: Any) -> Engine:
     """A synchronous engine for ``url`` (psycopg 3 on PostgreSQL, pysqlite on SQLite)."""
     driver_url = _driver_url(url, asynchronous=False)
+    kwargs = _pooler_safe(driver_url, kwargs)
     engine = create_engine(driver_url, **kwargs)
     if driver_url.get_backend_name() == "sqlite":
         configure_sqlite(engine)
@@ -73,6 +91,7 @@ def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
     driver_url = _driver_url(url, asynchronous=True)
     if driver_url.get_backend_name() == "sqlite":
         kwargs.setdefault("connect_args", {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    kwargs = _pooler_safe(driver_url, kwargs)
     engine = create_async_engine(driver_url, **kwargs)
     if driver_url.get_backend_name() == "sqlite":
         configure_sqlite(engine.sync_engine)

@@ -38,6 +38,7 @@ from supervisor.pgdirect import DirectConnection
 
 Attempt = Callable[[Claimed], Awaitable[Outcome]]
 BACKLOG_RECHECK_SECONDS = 0.05
+CLAIMING = "claim messages"  # the outage guard's name for this activity
 LEASE_ROUNDS = 2  # leases per origin (and in all) per round of requests: one running, one waiting
 
 
@@ -49,7 +50,7 @@ class Claimer:
         self._engine = engine
         # PostgreSQL: single statements in autocommit on the claimer's own driver connection
         # (supervisor/pgdirect.py). SQLite keeps its BEGIN IMMEDIATE transactions.
-        self._direct = DirectConnection.of(engine)
+        self._direct = DirectConnection.of(engine, settings)
         # Outcomes waiting to be recorded still hold their leases and count against the
         # lease budget, so a completer that falls behind slows claiming instead of letting
         # leases pile up (a crash would resend every one of them).
@@ -129,7 +130,7 @@ class Claimer:
             try:
                 batch = await self._claim(limit)
                 if len(batch) == limit:
-                    self._outage.ok()
+                    self._outage.ok(CLAIMING)
                     continue  # more may be due: claim again at once
                 if not batch and not self._tasks and not self._dispatch.queued:
                     # idle: sleep until the earliest retry, at most a poll
@@ -138,9 +139,9 @@ class Claimer:
                         timeout = min(timeout, next_due - now)
                 # A partial batch took everything that may go now; a NOTIFY, a request ending
                 # with work left behind, the poll or the earliest retry brings the rest.
-                self._outage.ok()
+                self._outage.ok(CLAIMING)
             except Exception as exc:
-                await self._outage.failed("claim messages", exc)
+                await self._outage.failed(CLAIMING, exc)
                 continue
             await self._sleep(timeout)
 

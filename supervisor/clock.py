@@ -30,6 +30,7 @@ from supervisor.outage import OutageGuard
 
 MAX_OFFSET_SECONDS = 60.0  # receivers' allowed clock skew
 SAMPLES = 3  # round trips per measurement; the shortest bounds the error best
+MEASURING = "measure the clock offset"  # the outage guard's name for this activity
 RECHECK_SECONDS = 600.0  # clocks drift and NTP steps them, outages or not
 
 
@@ -87,7 +88,10 @@ class DatabaseClock:
             except TimeoutError:
                 pass
             outage.recovered.clear()
-            try:
-                await self.measure(engine)
-            except (SQLAlchemyError, OSError) as exc:  # gone again: the next recovery re-measures
-                await outage.failed("measure the clock offset", exc)
+            while True:  # until measured: a failing measurement is itself part of the outage
+                try:
+                    await self.measure(engine)
+                    outage.ok(MEASURING)
+                    break
+                except (SQLAlchemyError, OSError) as exc:
+                    await outage.failed(MEASURING, exc)

@@ -34,11 +34,12 @@ from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
 from supervisor.classify import RetryPolicy
 from supervisor.metrics import Metrics, status_class
-from supervisor.outage import OutageGuard
+from supervisor.outage import OutageGuard, diagnose
 from supervisor.pgdirect import DirectConnection
 
 FLUSH_INTERVAL = 0.02
 FLUSH_MAX = 200  # outcomes per flush at most; a flush starts early at one round of the concurrency
+RECORDING = "record outcomes"  # the outage guard's name for this activity
 REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, then left to its lease
 # A retry whose back-off would pass the horizon gets one last attempt this long before it
 # (time for a claim and a full request), instead of being given up at once.
@@ -102,7 +103,7 @@ class Completer:
                  fanout: SinkFanout, outage: OutageGuard, on_recorded: Recorded = lambda failures, tripped: None
                  ) -> None:
         self._engine = engine
-        self._direct = DirectConnection.of(engine)
+        self._direct = DirectConnection.of(engine, settings)
         # Recording frees per-origin capacity (the claim counts this daemon's in-flight
         # rows) and may trip breakers: tell the claimer, or it would sleep out its poll
         # interval with work due, or send what waits for a tripped endpoint.
@@ -196,13 +197,13 @@ class Completer:
         while True:
             try:
                 await self.flush(batch)
-                self._outage.ok()
+                self._outage.ok(RECORDING)
                 return
             except Exception as exc:
-                if not await self._reachable():
-                    await self._outage.failed("record outcomes", exc)
+                if not diagnose(exc).curable or not await self._reachable():
+                    await self._outage.failed(RECORDING, exc)
                     continue
-                self._outage.ok()
+                self._outage.ok(RECORDING)
                 refused = exc
                 break
         if len(batch) > 1:
@@ -229,8 +230,9 @@ class Completer:
     async def _reachable(self) -> bool:
         """Whether the database answers at all (an outage, as opposed to a refused write)."""
         try:
-            async with self._engine.connect() as conn:
-                await store.db_now(conn)
+            async with asyncio.timeout(self._settings.database_statement_timeout_seconds):
+                async with self._engine.connect() as conn:
+                    await store.db_now(conn)
             return True
         except Exception:
             return False

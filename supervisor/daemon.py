@@ -42,7 +42,8 @@ from supervisor.outage import OutageGuard
 from supervisor.resealer import Resealer
 from outbox.bodies import encryption_summary
 from supervisor.transport import HttpSender
-from supervisor.wakeup import listen
+from supervisor.pgdirect import connect_options
+from supervisor.wakeup import listen, listen_url
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -71,9 +72,17 @@ async def _schema_check(engine: AsyncEngine) -> SchemaCheck:
         return await conn.run_sync(check_schema)
 
 
-async def _schema_problem(engine: AsyncEngine) -> str | None:
-    """Why ``/readyz`` must fail on this database now (``None`` when the daemon may run)."""
-    return (await _schema_check(engine)).problem()
+def daemon_engine(settings: Settings) -> AsyncEngine:
+    """The daemon's SQLAlchemy engine: on PostgreSQL with the timeouts and keepalives of
+    :func:`supervisor.pgdirect.connect_options`, and a server-side statement timeout of the
+    outage deadline (a statement that long is an outage) unless behind a transaction pooler,
+    which refuses startup options (its own ``query_timeout`` serves there, docs/pooler.md)."""
+    if not is_postgresql(settings.database_url):
+        return make_async_engine(settings.database_url)
+    options = connect_options(settings)
+    if settings.database_pooler == "none":
+        options["options"] = f"-c statement_timeout={int(settings.database_outage_seconds * 1000)}"
+    return make_async_engine(settings.database_url, connect_args=options)
 
 
 class Daemon:
@@ -82,10 +91,11 @@ class Daemon:
         self.settings = settings
         self.daemon_id = new_daemon_id()
         self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics)
-        self.engine = make_async_engine(settings.database_url)
+        self.engine = daemon_engine(settings)
         self.keys = CachedKeyring(settings, on_scopes=self._count_signing_keys)
         self.sender = sender or HttpSender(settings)
-        self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc)
+        self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc,
+                                  on_error=lambda cause: self.metrics.database_errors.labels(cause=cause).inc())
         self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
                                  timeout=settings.sink_timeout_seconds,
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
@@ -99,7 +109,7 @@ class Daemon:
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog,
                                unrecorded=lambda: self.completer.unrecorded_ids)
-        self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine), self.keys.documents(),
+        self.health = HealthServer(self.metrics, self._problem, self.keys.documents(),
                                    notice=lambda: "; ".join(self.keys.paused().values()) or None)
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
@@ -108,6 +118,10 @@ class Daemon:
         """``outbox_signing_active_keys`` per scope (the alert on 0 says webhooks wait for a key)."""
         for scope, count in scopes.items():
             self.metrics.signing_active_keys.labels(scope=scope).set(count)
+
+    async def _problem(self) -> str | None:
+        """Why ``/readyz`` must fail now: an activity that keeps failing, or the schema."""
+        return self.outage.problem() or (await _schema_check(self.engine)).problem()
 
     async def wait_for_schema(self, stop: asyncio.Event) -> bool:
         """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
@@ -121,7 +135,7 @@ class Daemon:
         while True:
             try:
                 check = await _schema_check(self.engine)
-                self.outage.ok()
+                self.outage.ok("check the schema")
             except Exception as exc:  # the database is down at start: ride it out like any outage
                 await self.outage.failed("check the schema", exc)
                 continue
@@ -140,6 +154,21 @@ class Daemon:
                 return False
             except asyncio.TimeoutError:
                 pass
+
+    def _wakeups(self) -> list[asyncio.Task[Any]]:
+        """LISTEN for new work and key changes where NOTIFY can arrive; else say, once, that
+        this daemon polls (behind a transaction pooler without OUTBOX_LISTEN_DATABASE_URL)."""
+        url = listen_url(self.settings)
+        if url is None:
+            self.log.warning("wakeup.polling", poll_interval_seconds=self.settings.poll_interval_seconds,
+                             reason="NOTIFY cannot arrive through a transaction pooler "
+                                    "(OUTBOX_DATABASE_POOLER=transaction): new work is found by polling",
+                             hint="set OUTBOX_LISTEN_DATABASE_URL to a direct connection for millisecond wake-ups")
+            return []
+        options = connect_options(self.settings)
+        return [asyncio.create_task(listen(url, self.claimer.wake, options=options), name="wakeup"),
+                asyncio.create_task(listen(url, self.keys.wake, KEYRING_CHANNEL, options=options),
+                                    name="keyring-wakeup")]
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
@@ -186,10 +215,7 @@ class Daemon:
                 Resealer(self.engine, keys, outage=self.outage, on_resealed=self.metrics.bodies_resealed.inc).run(),
                 name="resealer"))
         if is_postgresql(self.settings.database_url):
-            background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
-                                                  name="wakeup"))
-            background.append(asyncio.create_task(listen(self.settings.database_url, self.keys.wake,
-                                                         KEYRING_CHANNEL), name="keyring-wakeup"))
+            background.extend(self._wakeups())
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         self.log.info("daemon.started", concurrency=self.settings.concurrency,

@@ -96,7 +96,7 @@ class Maintenance:
                     created = await ensure_attempt_partitions(self._engine)
                     if created:
                         self._log.info("attempt_partitions.created", count=created)
-                self._outage.ok()
+                self._outage.ok("maintenance")
             except Exception as exc:
                 await self._outage.failed("maintenance", exc)
                 continue

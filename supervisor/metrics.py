@@ -64,6 +64,9 @@ class Metrics:
         self.database_outages = Counter("outbox_database_outages", "Runs of failed database calls this process "
                                         "rode out (or died of, past OUTBOX_DATABASE_OUTAGE_SECONDS).",
                                         registry=r)
+        self.database_errors = Counter("outbox_database_errors", "Failed database calls by cause: connection, "
+                                       "timeout, statement, prepared_statements and pooler_startup (a transaction pooler; "
+                                       "docs/pooler.md).", ["cause"], registry=r)
         self.bodies_resealed = Counter("outbox_bodies_resealed", "Stored bodies moved onto the active encryption key.",
                                        registry=r)
         self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
@@ -92,6 +95,8 @@ class Metrics:
             self.proofs.labels(outcome=outcome)
         for outcome in ("released", "dead"):
             self.held_fires.labels(outcome=outcome)
+        for cause in ("connection", "timeout", "statement", "prepared_statements", "pooler_startup"):
+            self.database_errors.labels(cause=cause)
 
     def tenant_labels(self, tenant_id: str) -> dict[str, str]:
         return {"tenant": tenant_id} if self.per_tenant else {}

@@ -1,9 +1,16 @@
-"""How long the daemon tolerates an unreachable database before it gives up.
+"""How long the daemon tolerates a failing database before it gives up, and why it fails.
 
-Short outages (a PostgreSQL restart, a failover) are ridden out with capped back-off; an
-outage longer than ``OUTBOX_DATABASE_OUTAGE_SECONDS`` ends the process with a non-zero
+Short outages (a PostgreSQL restart, a failover) are ridden out with capped back-off; a
+failure longer than ``OUTBOX_DATABASE_OUTAGE_SECONDS`` ends the process with a non-zero
 status, so systemd or Kubernetes restarts it and the operator sees it. Leases make either
 path safe: nothing in flight is lost, it is re-leased after expiry.
+
+The guard counts failed statements, per activity (claiming, recording outcomes, ...), not
+only lost connections: a claim that keeps failing is an outage even while other statements
+succeed, so one activity's success never hides another's stall. A failure that retrying
+cannot cure (prepared statements or startup options through a transaction pooler) is named at once, on
+``/readyz``, in the log and in ``outbox_database_errors_total{cause}``, and is not retried:
+the activity waits out the deadline and the daemon exits (docs/pooler.md).
 """
 
 from __future__ import annotations
@@ -11,43 +18,109 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
+# SQLSTATEs of a prepared statement that is not where the client left it: 26000 "prepared
+# statement does not exist", 42P05 "already exists", and 08P01 (protocol violation) for a
+# bind that reached another client's statement of the same name.
+_PREPARED_STATES = frozenset({"26000", "42P05"})
+POOLER_HINT = ("prepared statements through a transaction pooler; set OUTBOX_DATABASE_POOLER=transaction "
+               "(docs/pooler.md)")
+STARTUP_HINT = ("a transaction pooler refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
+                "(docs/pooler.md)")
+
 
 class DatabaseUnavailable(RuntimeError):
-    """The database stayed unreachable past the configured deadline."""
+    """The database stayed unreachable (or kept failing) past the configured deadline."""
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why a database call failed: a metric label and a line for the operator."""
+
+    label: str  # prepared_statements | pooler_startup | timeout | connection | statement
+    text: str
+
+    @property
+    def curable(self) -> bool:
+        """Whether retrying may help (a misconfiguration stays until the operator acts)."""
+        return self.label not in ("prepared_statements", "pooler_startup")
+
+
+def diagnose(exc: BaseException) -> Cause:
+    """The cause of a failed database call, from the driver's error (SQLAlchemy's or psycopg's)."""
+    error = getattr(exc, "orig", None) or exc
+    state = getattr(error, "sqlstate", None)
+    if state in _PREPARED_STATES or (state == "08P01" and "prepared statement" in str(error)):
+        return Cause("prepared_statements", POOLER_HINT)
+    if "unsupported startup parameter" in str(error):  # PgBouncer refuses libpq's "options"
+        return Cause("pooler_startup", STARTUP_HINT)
+    if isinstance(error, TimeoutError) or state == "57014":
+        return Cause("timeout", "statement timed out (OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS)")
+    if isinstance(error, OSError) or type(error).__name__ in ("OperationalError", "InterfaceError"):
+        return Cause("connection", f"database unreachable ({type(error).__name__})")
+    return Cause("statement", f"statement failed ({type(error).__name__})")
 
 
 class OutageGuard:
-    def __init__(self, deadline_seconds: float, on_outage: Callable[[], None] | None = None) -> None:
+    def __init__(self, deadline_seconds: float, on_outage: Callable[[], None] | None = None,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self._deadline = deadline_seconds
         self._on_outage = on_outage  # called once when an outage begins (the metric)
-        self._since: float | None = None
-        self._failures = 0
+        self._on_error = on_error  # called with the cause's label of every failure
+        self._failing: dict[str, tuple[float, int, Cause]] = {}  # activity -> (since, failures, last cause)
+        self._incurable: tuple[float, str, Cause] | None = None  # (since, activity, cause): never cleared
         self._log = structlog.get_logger("outboxd.database")
         self.recovered = asyncio.Event()  # set when an outage ends (the clock re-measures)
 
-    def ok(self) -> None:
-        if self._since is not None:
-            self._log.info("database.recovered", outage_seconds=round(time.monotonic() - self._since, 2))
+    def ok(self, doing: str) -> None:
+        """``doing`` succeeded: its failures are over (an outage ends when no activity fails)."""
+        failing = self._failing.pop(doing, None)
+        if failing is not None and not self._failing and self._incurable is None:
+            self._log.info("database.recovered", outage_seconds=round(time.monotonic() - failing[0], 2))
             self.recovered.set()
-        self._since, self._failures = None, 0
+
+    def problem(self) -> str | None:
+        """One line for ``/readyz`` while an activity keeps failing (``None``: all is well)."""
+        if self._incurable is not None:
+            return f"database: {self._incurable[2].text} (while trying to {self._incurable[1]})"
+        if not self._failing:
+            return None
+        doing, (since, _, cause) = min(self._failing.items(), key=lambda item: item[1][0])
+        return f"database failing for {time.monotonic() - since:.0f} s: {cause.text} (while trying to {doing})"
 
     async def failed(self, doing: str, exc: BaseException) -> None:
-        """Note a failure and wait before the caller retries; raise past the deadline."""
+        """Note a failure of ``doing`` and wait before the caller retries; raise past the deadline.
+
+        An incurable failure is not retried: the call waits out the deadline, then raises.
+        """
         now = time.monotonic()
-        if self._since is None:
-            self._since = now
-            if self._on_outage is not None:
-                self._on_outage()
-        self._failures += 1
-        elapsed = now - self._since
+        cause = diagnose(exc)
+        if self._on_error is not None:
+            self._on_error(cause.label)
+        if not self._failing and self._incurable is None and self._on_outage is not None:
+            self._on_outage()
+        since, failures, _ = self._failing.get(doing, (now, 0, cause))
+        self._failing[doing] = (since, failures + 1, cause)
+        if not cause.curable and self._incurable is None:
+            self._incurable = (now, doing, cause)
+            self._log.critical("database.misconfigured", doing=doing, cause=cause.label, reason=cause.text,
+                               error=type(exc).__name__, detail=str(exc)[:200],
+                               exit_in_seconds=round(self._deadline, 1))
+        if self._incurable is not None:
+            since, doing, cause = self._incurable
+            await asyncio.sleep(max(self._deadline - (time.monotonic() - since), 0.0) + 0.01)
+        elapsed = time.monotonic() - since
         if elapsed > self._deadline:
             self._log.critical("database.unreachable", doing=doing, outage_seconds=round(elapsed, 1),
-                               error=type(exc).__name__)
-            raise DatabaseUnavailable(f"database unreachable for {elapsed:.0f} s (while trying to {doing})") from exc
-        if self._failures == 1 or self._failures % 10 == 0:
-            self._log.error("database.error", doing=doing, error=type(exc).__name__, detail=str(exc)[:200],
-                            outage_seconds=round(elapsed, 1))
-        await asyncio.sleep(min(0.2 * 2 ** min(self._failures - 1, 5), 5.0))
+                               cause=cause.label, reason=cause.text, error=type(exc).__name__)
+            if cause.label == "connection":
+                raise DatabaseUnavailable(f"database unreachable for {elapsed:.0f} s (while trying to {doing})") from exc
+            raise DatabaseUnavailable(f"database failing for {elapsed:.0f} s (while trying to {doing}): "
+                                      f"{cause.text}") from exc
+        if failures == 0 or (failures + 1) % 10 == 0:
+            self._log.error("database.error", doing=doing, cause=cause.label, reason=cause.text,
+                            error=type(exc).__name__, detail=str(exc)[:200], outage_seconds=round(elapsed, 1))
+        await asyncio.sleep(min(0.2 * 2 ** min(failures, 5), 5.0))

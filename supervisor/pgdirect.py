@@ -10,13 +10,27 @@ SQL is SQLAlchemy's own rendering of them, compiled once, and the functions of
 ``outbox.store`` take this connection as they take an ``AsyncConnection`` (the subset of
 the result interface they use is here). Everything else (breakers, proofs, maintenance,
 the CLI) stays on SQLAlchemy; SQLite stays on SQLAlchemy altogether.
+
+Every connection the daemon opens to PostgreSQL (these, the engine's, LISTEN's) has a
+connect timeout, TCP keepalives and a TCP user timeout (:func:`connect_options`), and each
+statement here a deadline of ``OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS``, kept by the
+client: an unreachable database (a network black hole, a stuck pooler) fails the statement
+and the outage guard counts it, where it would otherwise hang a claim or a flush for ever.
+The deadline is the client's because a transaction pooler refuses the ``options`` startup
+parameter and forbids ``SET`` between transactions. Behind a transaction pooler
+(``OUTBOX_DATABASE_POOLER=transaction``) these connections prepare no statements either
+(docs/pooler.md).
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
+import os
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+import socket
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
@@ -27,11 +41,21 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql import ClauseElement
 
+from outbox.config import Settings
+
 __all__ = ["DirectConnection", "DirectResult"]
 
 Params = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 _PYFORMAT = re.compile(r"%\((\w+)\)s|%%")  # psycopg's named placeholders, and the escaped %
 _CACHE_SIZE = 64
+# Idle connections are probed after 10 s, every 5 s, and dropped after 3 lost probes.
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+
+
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """libpq options that bound connecting and a dead peer by the statement timeout."""
+    timeout = settings.database_statement_timeout_seconds
+    return {"connect_timeout": max(2, math.ceil(timeout)), **_KEEPALIVES, "tcp_user_timeout": int(timeout * 1000)}
 
 
 class DirectResult:
@@ -66,17 +90,21 @@ class DirectConnection:
 
     dialect = PGDialectAsync_psycopg()  # ``conn.dialect.name`` is what outbox.store asks
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, settings: Settings) -> None:
         self._url = libpq_url(url)
+        self._options = connect_options(settings)
+        if settings.database_pooler == "transaction":
+            self._options["prepare_threshold"] = None  # another client's statements may share the name
+        self._timeout = settings.database_statement_timeout_seconds
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._sql: dict[tuple[int, tuple[str, ...]], tuple[ClauseElement, str, tuple[str, ...]]] = {}
 
     @classmethod
-    def of(cls, engine: AsyncEngine) -> "DirectConnection | None":
+    def of(cls, engine: AsyncEngine, settings: Settings) -> "DirectConnection | None":
         """A connection to ``engine``'s database if it is PostgreSQL (``None``: keep SQLAlchemy)."""
         if engine.dialect.name != "postgresql":
             return None
-        return cls(engine.url.render_as_string(hide_password=False))
+        return cls(engine.url.render_as_string(hide_password=False), settings)
 
     async def execute(self, statement: ClauseElement, params: Params = None) -> DirectResult:
         """Run ``statement`` (a ``text()`` or an ``insert()`` of :mod:`outbox.schema`, kept for
@@ -84,19 +112,19 @@ class DirectConnection:
         list of them (no rows returned then)."""
         conn = await self._connection()
         try:
-            async with AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
-                if isinstance(params, Sequence):
-                    if params:
-                        sql, names = self._compiled(statement, params[0])
-                        await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
-                    return DirectResult([], cursor.rowcount)
-                sql, names = self._compiled(statement, params)
-                await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
-                rows = await cursor.fetchall() if cursor.description is not None else []
-                return DirectResult(rows, cursor.rowcount)
-        except BaseException:
-            if conn.closed or conn.broken:
-                self._conn = None
+            with self._deadline(conn):
+                async with AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
+                    if isinstance(params, Sequence):
+                        if params:
+                            sql, names = self._compiled(statement, params[0])
+                            await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
+                        return DirectResult([], cursor.rowcount)
+                    sql, names = self._compiled(statement, params)
+                    await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
+                    rows = await cursor.fetchall() if cursor.description is not None else []
+                    return DirectResult(rows, cursor.rowcount)
+        except BaseException as exc:
+            await self._forget_if_unusable(conn, exc)
             raise
 
     @asynccontextmanager
@@ -104,12 +132,49 @@ class DirectConnection:
         """Run the block's statements in one transaction (committed unless it raises)."""
         conn = await self._connection()
         try:
-            async with conn.transaction():
-                yield self
-        except BaseException:
-            if conn.closed or conn.broken:
-                self._conn = None
+            with self._deadline(conn):
+                async with conn.transaction():
+                    yield self
+        except BaseException as exc:
+            await self._forget_if_unusable(conn, exc)
             raise
+
+    @contextmanager
+    def _deadline(self, conn: psycopg.AsyncConnection[Any]) -> Iterator[None]:
+        """Raise :class:`TimeoutError` if the block outlasts the statement timeout.
+
+        The connection's socket is shut down when the time is up, so the statement fails at
+        once. (Cancelling the task instead would have psycopg ask the server to cancel the
+        statement first, through a new connection to the same unreachable address, for up
+        to 10 s more.)
+        """
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            try:
+                with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except (psycopg.Error, OSError):  # closed meanwhile: nothing left to stop
+                pass
+
+        timer = asyncio.get_running_loop().call_later(self._timeout, expire)
+        try:
+            yield
+        except psycopg.Error as exc:
+            if expired:
+                raise TimeoutError(f"no answer from the database within {self._timeout:g} s") from exc
+            raise
+        finally:
+            timer.cancel()
+
+    async def _forget_if_unusable(self, conn: psycopg.AsyncConnection[Any], exc: BaseException) -> None:
+        """Drop a connection that is broken or timed out (its state is unknown): the next
+        statement opens a new one."""
+        if isinstance(exc, TimeoutError) or conn.closed or conn.broken:
+            self._conn = None
+            await conn.close()
 
     async def aclose(self) -> None:
         if self._conn is not None:
@@ -118,7 +183,8 @@ class DirectConnection:
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+            async with asyncio.timeout(self._timeout):
+                self._conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, **self._options)
         return self._conn
 
     def _compiled(self, statement: ClauseElement, params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:

@@ -52,7 +52,7 @@ class Resealer:
         while True:
             try:
                 count, failed = await reseal_all(self._engine, self._keys)
-                self._outage.ok()
+                self._outage.ok("re-seal bodies")
             except Exception as exc:
                 await self._outage.failed("re-seal bodies", exc)
                 continue

@@ -104,7 +104,7 @@ async def test_the_offset_is_measured_again_when_the_database_comes_back(engine:
     try:
         for skew[0] in (20.0, MAX_OFFSET_SECONDS + 40):  # the host clock steps while the database is away
             await outage.failed("test", ConnectionError("database restarting"))
-            outage.ok()
+            outage.ok("test")
             if skew[0] < MAX_OFFSET_SECONDS:
                 for _ in range(100):
                     await asyncio.sleep(0.05)

@@ -43,6 +43,7 @@ COUNTERS = {
     "outbox_sink_errors_total",
     "outbox_lease_rescues_total",
     "outbox_database_outages_total",
+    "outbox_database_errors_total",
 }
 GAUGES = {
     "outbox_messages",

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select, text
 
 from outbox import store
+from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import attempts, messages
 from outbox.store import Completion
@@ -27,7 +28,7 @@ async def test_claim_complete_and_attempt_rows_match_sqlalchemy(pg_engine, pg_ur
     rows = [(f"t{i % 3}", f"https://buyer-{i % 2}.example/hook?x={i}", message_key("direct", i)) for i in range(12)]
     enqueue_batch(pg_engine, rows)
     engine = make_async_engine(pg_url)
-    direct = DirectConnection.of(engine)
+    direct = DirectConnection.of(engine, Settings())
     assert direct is not None
     try:
         async with engine.begin() as conn:
@@ -63,7 +64,7 @@ async def test_claim_complete_and_attempt_rows_match_sqlalchemy(pg_engine, pg_ur
 async def test_a_failed_transaction_writes_nothing_and_a_lost_connection_is_reopened(pg_engine, pg_url) -> None:
     enqueue_batch(pg_engine, [("t", "https://buyer.example/hook", message_key("lost", 0))])
     engine = make_async_engine(pg_url)
-    direct = DirectConnection.of(engine)
+    direct = DirectConnection.of(engine, Settings())
     assert direct is not None
     try:
         claimed = await store.claim(direct, daemon_id="a", **CLAIM)
@@ -84,4 +85,4 @@ async def test_a_failed_transaction_writes_nothing_and_a_lost_connection_is_reop
 
 
 def test_sqlite_keeps_sqlalchemy(sqlite_url) -> None:
-    assert DirectConnection.of(make_async_engine(sqlite_url)) is None
+    assert DirectConnection.of(make_async_engine(sqlite_url), Settings()) is None

@@ -57,6 +57,6 @@ async def test_an_outage_is_counted_once_however_many_calls_fail():
     guard = OutageGuard(60, on_outage=metrics.database_outages.inc)
     for _ in range(3):
         await guard.failed("claim", ConnectionError("refused"))
-    guard.ok()
+    guard.ok("claim")
     await guard.failed("claim", ConnectionError("refused"))
     assert sample(metrics, "outbox_database_outages_total") == 2

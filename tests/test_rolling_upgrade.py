@@ -49,6 +49,8 @@ def readyz(port: int) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+    except OSError as exc:  # not listening (yet, or any more)
+        return 0, str(exc)
 
 
 def start(code_root: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

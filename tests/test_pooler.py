@@ -1,0 +1,269 @@
+"""outboxd behind a real PgBouncer in transaction mode (docs/pooler.md).
+
+* Producers in 4 threads (a quarter of their transactions rolled back) on the seller's
+  ordinary engine with the one documented ``connect_args``, ``outboxd migrate``, ``outboxd
+  status`` and two daemons, all through PgBouncer; one daemon is SIGKILLed mid-run. Every
+  committed message is delivered and recorded exactly once, verified, with its stored
+  bytes; no rolled-back one is stored or sent; the 50 delivery reports arrive numbered
+  1..50. Run with the direct LISTEN URL and without it (polling), printing the p50 from
+  commit to arrival of each.
+* With prepared statements left on (a pooler that ignores the startup options, no
+  ``OUTBOX_DATABASE_POOLER``), the stall is not silent: ``/readyz`` fails naming the cause,
+  the metric counts it, and the daemon exits non-zero within the outage bound.
+* A pooler that refuses the startup options: the daemon says which setting is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, select
+from sqlalchemy.engine import make_url
+
+import outbox
+from outbox.schema import messages
+from tests import procs
+from tests.pgbouncer import free_port, pgbouncer
+from tests.test_db_faults import (PRODUCER, _exit_line, all_finished, check_ledger, daemon_events, load_messages,
+                                  message_key)
+from tests.test_e2e import leased_by
+from tests.test_partitions import fresh_db  # noqa: F401 - a fixture: an empty database of its own
+from tests.test_rolling_upgrade import readyz
+
+THREADS, TRANSACTIONS, REPORTS = 4, 40, 50
+# One producer's receiver answers slowly, so a daemon holds leases for a while (and the kill
+# cuts attempts short); the others answer at once.
+SLOW_THREAD = 3
+
+
+def seller_engine(url: str):
+    """The seller's ordinary engine, with the README's one setting for a transaction pooler."""
+    return create_engine(make_url(url).set(drivername="postgresql+psycopg"),
+                         connect_args={"prepare_threshold": None})
+
+
+def outboxd(env: dict[str, str], *args: str) -> str:
+    """Run an ``outboxd`` command (through the pooler: the env's URL); its output."""
+    done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+class Producers:
+    """4 threads of seller transactions: two messages each, and a delivery report while fewer
+    than 50 are committed; one transaction in four is rolled back."""
+
+    def __init__(self, engine, base: str) -> None:
+        self.engine, self.base = engine, base
+        self.committed: dict[str, float] = {}  # idempotency key -> commit time
+        self.rolled_back: set[str] = set()
+        self.reports = 0
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+
+    def run(self, thread: int) -> None:
+        rng = random.Random(thread)
+        report_hook = {"url": f"{self.base}/ok?reports", "operation_id": "op_rep", "token": "reporttoken123456"}
+        for n in range(TRANSACTIONS):
+            keys = [message_key(f"p{thread}", 2 * n + i) for i in range(2)]
+            url = f"{self.base}{'/delay/100' if thread == SLOW_THREAD else '/ok'}?t={thread}"
+            roll_back = rng.random() < 0.25
+            try:
+                with self.engine.connect() as conn:
+                    with conn.begin() as txn:
+                        for key in keys:
+                            outbox.enqueue(conn, tenant_id=f"t{thread % 2}", url=url,
+                                           idempotency_key=key, payload={"n": n, "thread": thread}, settings=PRODUCER)
+                        with self._lock:
+                            report = roll_back or self.reports < REPORTS
+                            self.reports += report and not roll_back
+                        if report:
+                            record = outbox.enqueue_delivery_report(
+                                conn, tenant_id="t-reports", reporting_webhook=report_hook, media_buy_id="mb_1",
+                                result={"notification_type": "scheduled", "currency": "USD",
+                                        "reporting_period": {"start": "2026-11-01T00:00:00Z",
+                                                             "end": "2026-11-02T00:00:00Z"},
+                                        "media_buy_deliveries": []}, settings=PRODUCER)
+                            keys.append(record.idempotency_key)
+                        if roll_back:
+                            txn.rollback()
+                at = time.time()
+                with self._lock:
+                    if roll_back:
+                        self.rolled_back.update(keys)
+                    else:
+                        self.committed.update(dict.fromkeys(keys, at))
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding of this test
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            time.sleep(0.1)
+
+    def start(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self.run, args=(i,)) for i in range(THREADS)]
+        for t in threads:
+            t.start()
+        return threads
+
+
+def started(log: Path) -> bool:
+    return any(e.get("event") == "daemon.started" for e in daemon_events(log))
+
+
+def attempts_by(log: Path) -> int:
+    return sum(e.get("event") == "delivery.attempt" for e in daemon_events(log))
+
+
+def reported_numbers(log: Path) -> list[int]:
+    """The distinct sequence numbers of the delivery reports the receiver accepted, in order
+    (a report the killed daemon had in flight may arrive twice, with its one number)."""
+    bodies = [json.loads(a["body"]) for a in procs.arrivals(log) if a["status"] == 200]
+    return sorted({b["result"]["sequence_number"] for b in bodies if b.get("task_type") == "media_buy_delivery"})
+
+
+@pytest.mark.parametrize("wakeup", ["listen", "poll"])
+def test_two_daemons_behind_pgbouncer_deliver_every_commit_once(pg_server_url, fresh_db, tmp_path, wakeup):
+    key, jwks = procs.make_key(tmp_path)
+    with pgbouncer(pg_server_url) as bouncer:
+        pooled = bouncer.url(fresh_db)
+        extra = {"listen_database_url": fresh_db} if wakeup == "listen" else {}
+        # The default poll interval (the tests' usual 0.5 s would flatter the polling latency).
+        env = procs.daemon_env(pooled, key, database_pooler="transaction", poll_interval_seconds=1.0, **extra)
+        outboxd(env, "migrate")
+        engine = seller_engine(pooled)
+        logs = [tmp_path / "a.log", tmp_path / "b.log"]
+        with procs.receiver(tmp_path, jwks, verifier="adcp", log_bodies=True) as (port, arrivals_log):
+            daemons = [procs.start_daemon(env, log) for log in logs]
+            try:
+                assert procs.wait_until(lambda: all(started(log) for log in logs), 60), daemon_events(logs[0])[-3:]
+                producers = Producers(engine, f"http://127.0.0.1:{port}")
+                threads = producers.start()
+                # Killed mid-run: while the producers commit and it holds leases.
+                assert procs.wait_until(lambda: attempts_by(logs[0]) >= 5 and leased_by(engine, daemons[0].pid), 40), \
+                    daemon_events(logs[0])[-5:]
+                assert procs.stop(daemons[0], signal.SIGKILL) == -signal.SIGKILL
+                assert any(t.is_alive() for t in threads), "the producers were done before the kill"
+                for t in threads:
+                    t.join(60)
+                assert not producers.errors, producers.errors[:3]
+                total = len(producers.committed)
+                assert procs.wait_until(lambda: all_finished(engine, total), 40), \
+                    (total, len(load_messages(engine)))
+                assert daemons[1].poll() is None, daemon_events(logs[1])[-3:]
+            finally:
+                for d in daemons:
+                    procs.stop(d)
+            status = json.loads(outboxd(env, "status", "--json"))
+            summary = check_ledger(engine, [arrivals_log])
+            assert status["messages"]["delivered"] == total  # the CLI through the pooler too
+            stored = load_messages(engine)
+            assert set(stored) == set(producers.committed), "stored messages differ from the committed ones"
+            assert summary["delivered"] == total and summary["resent"] <= summary["abandoned"], summary
+            arrived = {a["key"]: a["t"] for a in reversed(procs.arrivals(arrivals_log)) if a["status"] == 200}
+            assert not producers.rolled_back & set(arrived), "a rolled-back message was sent"
+            assert reported_numbers(arrivals_log) == list(range(1, REPORTS + 1))
+            with engine.connect() as conn:
+                numbers = conn.execute(select(messages.c.sequence_number).where(messages.c.tenant_id == "t-reports")
+                                       .order_by(messages.c.sequence_number)).scalars().all()
+            assert numbers == list(range(1, REPORTS + 1))
+            slow = message_key(f"p{SLOW_THREAD}", 0)[:-8]  # the slow receiver's keys say nothing of wake-ups
+            p50 = statistics.median(arrived[k] - t for k, t in producers.committed.items() if not k.startswith(slow))
+            print(f"\nbehind PgBouncer ({wakeup}): {total} committed, {len(producers.rolled_back)} rolled back, "
+                  f"{summary['abandoned']} abandoned by the killed daemon; p50 commit->arrival {p50 * 1000:.0f} ms")
+            events = [e.get("event") for log in logs for e in daemon_events(log)]
+            assert "database.error" not in events and "database.misconfigured" not in events
+            if wakeup == "listen":
+                assert "wakeup.polling" not in events
+                assert p50 < 1.0, f"p50 {p50:.3f} s: NOTIFY did not wake the daemons"
+            else:
+                assert events.count("wakeup.polling") == 2  # once per daemon
+            assert bouncer.unlinked_packets() == 0  # no LISTEN went through the pooler
+        engine.dispose()
+
+
+def metric(port: int, line_start: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(line_start):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def test_prepared_statements_through_pgbouncer_fail_readiness_not_silently(pg_server_url, fresh_db, tmp_path):
+    """A pooler that ignores the ``options`` startup parameter (a common setting) lets the
+    daemon start without OUTBOX_DATABASE_POOLER; its prepared statements then fail."""
+    key, jwks = procs.make_key(tmp_path)
+    outage = 10
+    with pgbouncer(pg_server_url, pool_size=2, ignore_startup_parameters="options") as bouncer:
+        pooled = bouncer.url(fresh_db)
+        ports = [free_port(), free_port()]
+        envs = [procs.daemon_env(pooled, key, metrics_addr=f"127.0.0.1:{p}", database_outage_seconds=outage)
+                for p in ports]
+        outboxd(envs[0], "migrate")
+        engine = seller_engine(pooled)
+        logs = [tmp_path / "a.log", tmp_path / "b.log"]
+        with procs.receiver(tmp_path, jwks, verifier="adcp") as (port, _):
+            daemons = [procs.start_daemon(env, log) for env, log in zip(envs, logs)]
+            try:
+                producers = Producers(engine, f"http://127.0.0.1:{port}")
+                threads = producers.start()
+                seen: dict[int, tuple[float, str]] = {}
+
+                def red() -> bool:
+                    for p in ports:
+                        status, body = readyz(p)
+                        if status == 503 and "prepared statements through a transaction pooler" in body:
+                            seen.setdefault(p, (time.monotonic(), body))
+                    return bool(seen)
+
+                assert procs.wait_until(red, 60), [readyz(p) for p in ports]
+                red_port, (red_at, body) = next(iter(seen.items()))
+                assert "OUTBOX_DATABASE_POOLER=transaction" in body
+                assert metric(red_port, 'outbox_database_errors_total{cause="prepared_statements"}') >= 1
+                index = ports.index(red_port)
+                # Not retried for ever: the daemon exits non-zero once the outage bound has passed.
+                daemons[index].wait(outage + 30)
+                assert daemons[index].returncode not in (None, 0)
+                assert time.monotonic() - red_at < outage + 30
+                events = daemon_events(logs[index])
+                misconfigured = [e for e in events if e.get("event") == "database.misconfigured"]
+                assert len(misconfigured) == 1 and misconfigured[0]["cause"] == "prepared_statements"
+                assert "prepared statements through a transaction pooler; set OUTBOX_DATABASE_POOLER=transaction" \
+                    in _exit_line(logs[index])
+                for t in threads:
+                    t.join(60)
+            finally:
+                for d in daemons:
+                    procs.stop(d, signal.SIGKILL)
+        engine.dispose()
+
+
+def test_a_daemon_started_without_the_setting_says_which_one(pg_server_url, fresh_db, tmp_path):
+    """PgBouncer refuses the startup options the daemon's engine sends to a direct server: the
+    daemon says at once to set OUTBOX_DATABASE_POOLER, on /readyz and in its last line."""
+    key, _ = procs.make_key(tmp_path)
+    outage = 5
+    with pgbouncer(pg_server_url) as bouncer:
+        pooled = bouncer.url(fresh_db)
+        port = free_port()
+        env = procs.daemon_env(pooled, key, metrics_addr=f"127.0.0.1:{port}", database_outage_seconds=outage)
+        outboxd(env, "migrate")
+        log = tmp_path / "d.log"
+        daemon = procs.start_daemon(env, log)
+        try:
+            assert procs.wait_until(lambda: "set OUTBOX_DATABASE_POOLER=transaction" in readyz(port)[1], 30), \
+                readyz(port)
+            assert readyz(port)[0] == 503
+            assert daemon.wait(outage + 30) != 0
+        finally:
+            procs.stop(daemon, signal.SIGKILL)
+        assert "refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction" in _exit_line(log)
