@@ -6,7 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from outbox.bodies import encryption_summary
+from outbox.bodies import encryption_summary, unopenable_rows
+from outbox.keyset import read_ledger
+from supervisor.resealer import held_line
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cli_common import (
@@ -28,10 +30,14 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor.cli_subscribers import counts_by_state
 
     async def work(conn: Any) -> dict[str, Any]:
-        return {**await ops.status(conn, top=args.top), "subscribers": await counts_by_state(conn)}
+        ledger = await conn.run_sync(read_ledger)
+        held = await unopenable_rows(conn, settings.sealing())
+        return {**await ops.status(conn, top=args.top), "subscribers": await counts_by_state(conn),
+                "encryption": encryption_summary(settings, ledger.sealing_key_id),
+                "sealed_unopenable": held_line(held, "this configuration"),
+                "held_by_processes": {r.reader_id: r.unopenable for r in ledger.live() if r.unopenable}}
 
     data = run_async(settings, work)
-    data["encryption"] = encryption_summary(settings)
     if args.json:
         print_json(data)
         return 0
@@ -42,6 +48,10 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     print("breakers   " + (", ".join(f"{b['tenant_id']}@{b['origin']} {b['state']}" for b in data["open_breakers"])
                            or "all closed"))
     print(f"encryption {data['encryption']}")
+    if data["sealed_unopenable"] is not None:
+        print(f"HELD       {data['sealed_unopenable']}")
+    for reader, count in data["held_by_processes"].items():
+        print(f"HELD       {held_line(count, reader)}")
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
     print("subscribers " + (", ".join(f"{k} {v}" for k, v in data["subscribers"].items()) or "none"))

@@ -43,7 +43,10 @@ REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, th
 # A retry whose back-off would pass the horizon gets one last attempt this long before it
 # (time for a claim and a full request), instead of being given up at once.
 LAST_TRY_MARGIN_SECONDS = 60.0
-UNSENT = ("expire", "release")  # claimed but not sent: no attempt made, none counted or logged
+UNSENT = ("expire", "release", "hold")  # claimed but not sent: no attempt made, none counted or logged
+# A message sealed under a key this process lacks waits this long before it is claimed
+# again, by this daemon or one that has the key (docs/encryption.md, "Without the key").
+HOLD_SECONDS = 5.0
 Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
 # Told after each batch: the retryable failures no longer pending here (their request slots
 # free), and the endpoints whose breakers that batch opened.
@@ -276,6 +279,8 @@ class Completer:
             state, reason = "dead", o.reason
         elif o.action == "release":
             next_at = now
+        elif o.action == "hold":
+            next_at = now + HOLD_SECONDS
         elif o.outcome == "abandoned":  # interrupted at shutdown: due again at once
             next_at = now
         else:  # retry
