@@ -50,6 +50,9 @@ GAUGES = {
     "outbox_breakers",
     "outbox_in_flight_requests",
     "outbox_build_info",
+    "outbox_sealed_rows_unopenable",
+    "outbox_encryption_reseal_backlog",
+    "outbox_encryption_rotation_waiting_processes",
 }
 HISTOGRAMS = {
     "outbox_attempt_duration_seconds",
@@ -220,6 +223,7 @@ def test_alert_rules_cover_the_required_conditions():
     assert find('sum(outbox_breakers{state="open"}) > 0')["for"] == "10m"
     signature = find('increase(outbox_dead_letters_total{reason="signature_rejected"}[15m])')
     assert signature["expr"].rstrip().endswith("> 0")
+    assert find("max by (instance) (outbox_sealed_rows_unopenable) > 0")["labels"]["severity"] == "critical"
 
 
 def test_alert_rules_are_documented_and_use_known_metrics():
