@@ -35,6 +35,8 @@ from outbox.sealing import SealingKeys
 
 REFRESH_SECONDS = 5.0  # a producer's cached agreement, and a daemon's report, are this old at most
 LIVE_SECONDS = 15.0  # a process that has not reported for this long no longer counts
+FORGET_SECONDS = 86_400.0  # a reader row this old is dropped
+_AGED = db_now() - LIVE_SECONDS  # the seen_at of a process that stopped: no longer live, still known
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,11 @@ def sealer(keys: SealingKeys | None, agreed: str | None) -> SealingKeys | None:
 
 def process_id(role: str) -> str:
     """This process's reader id (a producer's threads report separately: no shared row lock)."""
-    return f"{role}:{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
+    return f"{_process_prefix(role)}{threading.get_ident()}"
+
+
+def _process_prefix(role: str) -> str:
+    return f"{role}:{socket.gethostname()}:{os.getpid()}:"
 
 
 def read_ledger(conn: Connection) -> Ledger:
@@ -120,6 +126,8 @@ def report(conn: Connection, *, reader_id: str, role: str, keys: SealingKeys | N
     """
     ledger = read_ledger(conn)
     now = ledger.now
+    if role == "daemon" and any(r.seen_at < now - FORGET_SECONDS for r in ledger.readers):
+        conn.execute(delete(encryption_readers).where(encryption_readers.c.seen_at < now - FORGET_SECONDS))
     if keys is not None and keys.active_id not in ledger.announced:  # insert only the first time
         _upsert(conn, encryption_keys, {"key_id": keys.active_id, "announced_at": now}, "key_id", ())
         ledger = read_ledger(conn)
@@ -132,13 +140,28 @@ def report(conn: Connection, *, reader_id: str, role: str, keys: SealingKeys | N
 
 
 def forget(conn: Connection, reader_id: str) -> None:
-    """A process stopping cleanly stops counting at once (not ``LIVE_SECONDS`` later)."""
-    conn.execute(delete(encryption_readers).where(encryption_readers.c.reader_id == reader_id))
+    """A process stopping cleanly stops counting at once (not ``LIVE_SECONDS`` later).
+
+    Its row stays, aged out, so its recent attempts are known to be a reporting process's
+    (:func:`adopt` does not wait them out); rows a day old are dropped by :func:`report`.
+    """
+    conn.execute(update(encryption_readers).where(encryption_readers.c.reader_id == reader_id).values(seen_at=_AGED))
+
+
+def stop_reporting(engine: Engine) -> None:
+    """For a seller process shutting down cleanly: its threads stop counting as live
+    readers now, so a rotation under way does not wait ``LIVE_SECONDS`` for them."""
+    if not _HAS_TABLES.get(engine):
+        return
+    with engine.begin() as conn:
+        conn.execute(update(encryption_readers).values(seen_at=_AGED).where(
+            encryption_readers.c.reader_id.startswith(_process_prefix("producer"), autoescape=True)))
+    _VIEWS.pop(engine, None)
 
 
 def _unreported_lessees(conn: Connection, ledger: Ledger) -> set[str]:
-    """Daemons with a lease or a recent attempt that do not report: a release without the agreement."""
-    reporting = {r.reader_id for r in ledger.live()}
+    """Daemons with a lease or a recent attempt that never reported: a release without the agreement."""
+    reporting = {r.reader_id for r in ledger.readers}
     leased = conn.execute(select(messages.c.leased_by).distinct().where(messages.c.state == "in_flight"))
     recent = conn.execute(select(attempts.c.daemon_id).distinct()
                           .where(attempts.c.occurred_at >= ledger.now - LIVE_SECONDS))

@@ -2,7 +2,7 @@
 
 Every ``REFRESH_SECONDS`` the daemon reports the key ids it opens and, when a rotation is
 under way, makes the new key the sealing key once every live process opens it
-(:mod:`outbox.keyset`). Each ``IDLE_SECONDS`` (and at once after the agreed key changed) it
+(:mod:`outbox.keyset`). Each ``IDLE_SECONDS`` (each tick while rows are left to move) it
 re-seals, in short batches each its own transaction, what is not under the agreed key:
 message bodies with their legacy credentials, rows a plain-SQL producer wrote in plaintext,
 and subscriber credentials. It counts the messages still to deliver that it cannot open
@@ -72,6 +72,7 @@ class Resealer:
         self.unopenable = 0
         self._resealed_under: str | None = None
         self._failed: list[int] = []
+        self._backlog = False
 
     @property
     def sealing(self) -> SealingKeys | None:
@@ -101,6 +102,7 @@ class Resealer:
         candidate = ledger.candidate()
         self._metrics.sealed_unopenable.set(unopenable)
         self._metrics.reseal_backlog.set(to_reseal)
+        self._backlog = to_reseal > len(self._failed)  # work this daemon can do: pass again next tick
         self._metrics.rotation_waiting.set(len(ledger.lacking(candidate)) if candidate else 0)
         return ledger
 
@@ -122,7 +124,7 @@ class Resealer:
         while True:
             try:
                 await self.tick()
-                if since_pass >= IDLE_SECONDS or self.agreed != self._resealed_under:
+                if since_pass >= IDLE_SECONDS or self.agreed != self._resealed_under or self._backlog:
                     await self.pass_once()
                     since_pass = 0.0
                 self._outage.ok()
