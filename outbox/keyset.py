@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -36,7 +36,7 @@ from outbox.sealing import SealingKeys
 REFRESH_SECONDS = 5.0  # a producer's cached agreement, and a daemon's report, are this old at most
 LIVE_SECONDS = 15.0  # a process that has not reported for this long no longer counts
 FORGET_SECONDS = 86_400.0  # a reader row this old is dropped
-_AGED = db_now() - LIVE_SECONDS  # the seen_at of a process that stopped: no longer live, still known
+_AGED = db_now() - LIVE_SECONDS - 1  # the seen_at of a process that stopped: no longer live, still known
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Ledger:
         return max(sealing)[1] if sealing else None
 
     def live(self) -> tuple[Reader, ...]:
-        return tuple(r for r in self.readers if r.seen_at >= self.now - LIVE_SECONDS)
+        return tuple(r for r in self.readers if r.seen_at > self.now - LIVE_SECONDS)
 
     def candidate(self) -> str | None:
         """The newest announced key newer than the agreed one: the rotation under way."""
@@ -132,11 +132,13 @@ def report(conn: Connection, *, reader_id: str, role: str, keys: SealingKeys | N
         _upsert(conn, encryption_keys, {"key_id": keys.active_id, "announced_at": now}, "key_id", ())
         ledger = read_ledger(conn)
     sealing = sealer(keys, ledger.sealing_key_id)
+    me = Reader(reader_id, role, frozenset(keys.ids) if keys else frozenset(),
+                None if sealing is None else sealing.active_id, unopenable, now)
     _upsert(conn, encryption_readers, {
-        "reader_id": reader_id, "role": role, "key_ids": ",".join(sorted(keys.ids)) if keys else "",
-        "sealing_key_id": None if sealing is None else sealing.active_id, "unopenable": unopenable,
-        "seen_at": now}, "reader_id", ("role", "key_ids", "sealing_key_id", "unopenable", "seen_at"))
-    return ledger
+        "reader_id": reader_id, "role": role, "key_ids": ",".join(sorted(me.key_ids)),
+        "sealing_key_id": me.sealing_key_id, "unopenable": unopenable, "seen_at": now},
+        "reader_id", ("role", "key_ids", "sealing_key_id", "unopenable", "seen_at"))
+    return replace(ledger, readers=(*(r for r in ledger.readers if r.reader_id != reader_id), me))
 
 
 def forget(conn: Connection, reader_id: str) -> None:
