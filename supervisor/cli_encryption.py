@@ -49,8 +49,9 @@ async def encryption_report(conn: Any, settings: Settings) -> dict[str, Any]:
                f"{needed} sealed value(s) still under it" if needed else
                f"{len(sealing_here)} live process(es) still seal under it" if sealing_here else
                "it is the key the rotation moves to" if kid == candidate else None)
-        entries.append({"key_id": kid, "role": role, "configured": keys is not None and (kid == "legacy" or keys.can_open(kid)),
-                        "rows": rows, "removable": why is None, "why_not": why})
+        opens = keys is not None and (kid == "legacy" or keys.can_open(kid))  # legacy: tried with every key
+        entries.append({"key_id": kid, "role": role, "configured": opens, "rows": rows, "removable": why is None,
+                        "why_not": why})
     unopenable = sum(n for e in entries if not e["configured"] for n in e["rows"].values())
     return {"encryption": encryption_summary(settings, agreed), "sealing_key_id": agreed,
             "rotation": None if candidate is None else {"key_id": candidate, "waiting_for": ledger.lacking(candidate)},
