@@ -31,7 +31,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox.config import Settings
 from outbox.schema import attempts, db_now, encryption_keys, encryption_readers, messages
-from outbox.sealing import SealingKeys
+from outbox.sealing import SealingKeys, key_id
 
 REFRESH_SECONDS = 5.0  # a producer's cached agreement, and a daemon's report, are this old at most
 LIVE_SECONDS = 15.0  # a process that has not reported for this long no longer counts
@@ -81,12 +81,17 @@ class Ledger:
 def sealer(keys: SealingKeys | None, agreed: str | None) -> SealingKeys | None:
     """The keys a process seals with: under the agreed key when it has it.
 
-    Before any agreement, or in a process that lacks the agreed key (started with a stale
-    configuration), its own ``OUTBOX_ENCRYPTION_KEY`` seals, as without the agreement.
+    Before any agreement (the first start of this release), a process configured with
+    ``OUTBOX_ENCRYPTION_OLD_KEYS`` is mid-rotation: it seals under the first of them, the
+    key the previous configuration sealed under, which processes not yet rolled (and a
+    previous release) open. A process that lacks the agreed key (started with a stale
+    configuration) seals under its own ``OUTBOX_ENCRYPTION_KEY``.
     """
-    if keys is None or agreed is None or not keys.can_open(agreed):
-        return keys
-    return keys.sealing_under(agreed)
+    if keys is None:
+        return None
+    if agreed is None:
+        return keys.sealing_under(key_id(keys.older[0])) if keys.older else keys
+    return keys.sealing_under(agreed) if keys.can_open(agreed) else keys
 
 
 def process_id(role: str) -> str:

@@ -206,3 +206,55 @@ def test_a_rolling_rotation_in_the_worst_order_loses_nothing(db, replicas, reque
     assert {tuple(sorted(e["rows"])) for e in final["keys"] if e["key_id"] == kid(new)} == {
         ("message bodies", "message credentials", "subscriber credentials")}
     assert all(not e["rows"] for e in final["keys"] if e["key_id"] == kid(old))
+
+
+@pytest.fixture(scope="module")
+def previous_release(tmp_path_factory) -> Path:
+    """The code of the release before the agreed keys, as shipped (f09e755)."""
+    root = tmp_path_factory.mktemp("previous-release")
+    archive = subprocess.run(["git", "archive", "f09e755", "outbox", "supervisor", "sinks", "pyproject.toml"],
+                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    return root
+
+
+def test_a_previous_release_daemon_holds_the_rotation_back_while_it_delivers(
+        previous_release, pg_engine, pg_url, tmp_path, monkeypatch, capsys):
+    old, new = new_key(), new_key()
+    signing_key, jwks = procs.make_key(tmp_path)
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        fleet = Fleet(pg_url, signing_key, f"http://127.0.0.1:{port}", tmp_path)
+        legacy_log = tmp_path / "previous-release.log"
+        legacy = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run"], cwd=previous_release,
+                                  env={**fleet.env(config(old)), "PYTHONPATH": str(previous_release)},
+                                  stdout=open(legacy_log, "ab"), stderr=subprocess.STDOUT)
+        try:
+            assert procs.wait_until(lambda: "daemon.started" in legacy_log.read_text(), 30), \
+                legacy_log.read_text()[-800:]
+            outputs = fleet.roll([("producer", 0), ("daemon", 0)], config(new, old))  # this release, rotated
+            assert procs.wait_until(lambda: outputs[0].read_text().count("\n") >= 60, 30)
+            assert encryption_status(monkeypatch, capsys, pg_url, config(new, old))["sealing_key_id"] is None
+            sealed = {json.loads(line)["sealed_under"] for line in outputs[0].read_text().splitlines()}
+            assert sealed == {kid(old)}, "a key sealed that the previous release's daemon cannot open"
+            assert procs.stop(legacy) == 0
+            assert procs.wait_until(  # its attempts age out: the rotation goes on
+                lambda: encryption_status(monkeypatch, capsys, pg_url, config(new, old))["sealing_key_id"] == kid(new),
+                40)
+            assert procs.wait_until(lambda: f'"sealed_under": "{kid(new)}"' in outputs[0].read_text(), 20), \
+                "the producer follows the agreement"
+            fleet.close()
+            enqueued = [json.loads(line) for line in outputs[0].read_text().splitlines()]
+            keys = {e["key"] for e in enqueued}
+            assert procs.wait_until(lambda: {a["key"] for a in procs.arrivals(log)} >= keys, 40), states(pg_engine)
+            assert procs.stop(fleet.daemons[0]) == 0
+        finally:
+            fleet.kill_all()
+            if legacy.poll() is None:
+                legacy.kill()
+        arrivals = procs.arrivals(log)
+    assert states(pg_engine)["dead"] == 0
+    delivered = collections.Counter(a["key"] for a in arrivals if a["status"] == 200)
+    assert all(delivered[k] == 1 for k in keys), "every message delivered once"
+    sent = {a["key"]: a["sha256"] for a in arrivals}
+    assert all(sent[e["key"]] == e["sha256"] for e in enqueued), "every body sent as rendered"
+    assert "delivery.attempt" in legacy_log.read_text()  # it delivered beside the rotated processes
