@@ -20,6 +20,7 @@ from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.identity import store_bound
+from outbox.keyset import producer_keys
 from outbox.producer import (
     Conn,
     EnqueuedMessage,
@@ -99,4 +100,5 @@ def enqueue_event(
         if row.state == "pending_proof":
             columns.update(held=True, next_attempt_at=HOLD_UNTIL)
         fires.append(_row(tenant, registration, key, _render(content), content, settings, columns))
-    return [store_bound(connection, fire, settings.sealing()) for fire in fires]
+    keys = producer_keys(connection, settings)
+    return [store_bound(connection, fire, keys) for fire in fires]

@@ -35,7 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
 from outbox.schema import messages
-from outbox.sealing import SealError, SealingKeys, plaintext, sealed_row
+from outbox.sealing import KeyUnavailable, SealError, SealingKeys, plaintext, sealed_row
 from outbox.wire import json_default
 
 # Top-level body fields that describe the rendering, not the notification.
@@ -111,7 +111,7 @@ def digest_under(material: bytes, kid: str | None, keys: SealingKeys | None) -> 
     if kid is None:
         return hashlib.sha256(material).digest()
     if keys is None:
-        raise SealError(f"sealed under key {kid} but OUTBOX_ENCRYPTION_KEY is not set")
+        raise KeyUnavailable(f"sealed under key {kid} but OUTBOX_ENCRYPTION_KEY is not set")
     return keys.digest(material, kid)
 
 

@@ -35,6 +35,7 @@ from outbox.identity import (
     store_bound,
     stream_key as scoped_stream_key,
 )
+from outbox.keyset import producer_keys
 from outbox.urls import origin, validate_destination
 
 Conn = Connection | Session
@@ -266,7 +267,8 @@ def enqueue_task_webhook(
     row = _row(tenant, registration, key, _render(envelope), envelope, settings,
                {"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon,
                 **_attribution(principal_id=principal(principal_id))})
-    return store_bound(_connection(conn), row, settings.sealing())
+    connection = _connection(conn)
+    return store_bound(connection, row, producer_keys(connection, settings))
 
 
 def enqueue_delivery_report(
@@ -326,8 +328,8 @@ def enqueue_delivery_report(
                "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon,
                **_attribution(media_buy_id=media_buy_id, principal_id=owner)}
     row = _row(tenant, registration, key, _render(envelope), envelope, settings, columns)
-    keys = settings.sealing()
     connection = _connection(conn)
+    keys = producer_keys(connection, settings)
     if idempotency_key is not None:  # a retry must neither conflict late nor consume a number
         replayed = bound_record(connection, tenant, key, row["material"], keys)
         if replayed is not None:
@@ -391,4 +393,5 @@ def enqueue(
                 "horizon_seconds": _horizon(horizon_seconds),
                 **_attribution(principal_id=principal(principal_id), notification_id=_event_id(decoded),
                                media_buy_id=_optional_string(media_buy_id, "media_buy_id"))})
-    return store_bound(_connection(conn), row, settings.sealing())
+    connection = _connection(conn)
+    return store_bound(connection, row, producer_keys(connection, settings))

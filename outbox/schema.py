@@ -275,6 +275,29 @@ keyring = Table(
     Column("version", BigInteger, nullable=False),
 )
 
+# Body-encryption keys, by public id (outbox/keyset.py): when each was announced and from
+# when it seals. No key material: the keys stay in each process's configuration.
+encryption_keys = Table(
+    "outbox_encryption_keys",
+    metadata,
+    Column("key_id", Text, primary_key=True),
+    Column("announced_at", _Epoch, nullable=False),
+    Column("seals_from", _Epoch),  # NULL: announced, not sealing yet
+)
+
+# What each live process (daemon or producer) can open, and what it seals under: a new key
+# seals only once every live process reports it can open it.
+encryption_readers = Table(
+    "outbox_encryption_readers",
+    metadata,
+    Column("reader_id", Text, primary_key=True),
+    Column("role", Text, nullable=False),  # daemon | producer
+    Column("key_ids", Text, nullable=False),  # the key ids it can open, comma-separated
+    Column("sealing_key_id", Text),  # the key it seals under now (NULL: none configured)
+    Column("unopenable", Integer, nullable=False, server_default="0"),  # rows it found it cannot open
+    Column("seen_at", _Epoch, nullable=False),
+)
+
 # Every breaker transition, once (the row behind the log line and the metric).
 breaker_transitions = Table(
     "outbox_breaker_transitions",

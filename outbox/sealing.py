@@ -40,6 +40,12 @@ class SealError(ValueError):
     """A sealed value that cannot be opened (unknown key, tampered, or moved from another row)."""
 
 
+class KeyUnavailable(SealError):
+    """A sealed value under a key this process does not have: the row is fine, the process is
+    not (a key missing from its configuration). It waits for a process that has the key,
+    never ends dead (docs/encryption.md, "Without the key")."""
+
+
 def key_id(key: bytes) -> str:
     """The public name of a key: a fingerprint that identifies it without revealing it."""
     return hashlib.sha256(b"outboxd sealing key id\x00" + key).digest()[:_KEY_ID_BYTES].hex()
@@ -76,6 +82,17 @@ class SealingKeys:
     def ids(self) -> tuple[str, ...]:
         return tuple(self._by_id)
 
+    def can_open(self, kid: str | None) -> bool:
+        """Whether a value sealed under ``kid`` (``None``: plaintext) opens here."""
+        return kid is None or kid in self._by_id
+
+    def sealing_under(self, kid: str) -> "SealingKeys":
+        """These keys, sealing under ``kid`` (one of them) instead of the configured active key."""
+        if kid == self.active_id:
+            return self
+        chosen = self._raw(kid)
+        return sealing_keys(chosen, tuple(k for k in (*self.older, self.active) if k != chosen))
+
     def seal(self, purpose: bytes, plaintext: bytes, *, tenant_id: str, idempotency_key: str) -> bytes:
         """Seal under the active key with a fresh random nonce, bound to the row and purpose."""
         nonce = os.urandom(_NONCE_BYTES)
@@ -92,8 +109,8 @@ class SealingKeys:
             raise SealError("sealed value has an unknown format")
         cipher = self._by_id.get(kid)
         if cipher is None:
-            raise SealError(f"sealed under key {kid}, which is neither OUTBOX_ENCRYPTION_KEY nor one of "
-                            "OUTBOX_ENCRYPTION_OLD_KEYS")
+            raise KeyUnavailable(f"sealed under key {kid}, which is neither OUTBOX_ENCRYPTION_KEY nor one of "
+                                 "OUTBOX_ENCRYPTION_OLD_KEYS here: add it (docs/encryption.md)")
         nonce = blob[1 + _KEY_ID_BYTES : 1 + _KEY_ID_BYTES + _NONCE_BYTES]
         try:
             return cipher.decrypt(nonce, blob[1 + _KEY_ID_BYTES + _NONCE_BYTES :],
@@ -110,7 +127,7 @@ class SealingKeys:
                 return cipher.decrypt(nonce, ciphertext, idempotency_key.encode())
             except InvalidTag:
                 continue
-        raise SealError("sealed credential does not open with any configured encryption key")
+        raise KeyUnavailable("sealed credential does not open with any configured encryption key")
 
     def digest(self, data: bytes, kid: str | None = None) -> bytes:
         """A keyed digest (HMAC-SHA256) of ``data`` under key ``kid`` (default: the active key).
@@ -125,7 +142,7 @@ class SealingKeys:
         for key in (*self.older, self.active):
             if key_id(key) == kid:
                 return key
-        raise SealError(f"key {kid} is not configured")
+        raise KeyUnavailable(f"key {kid} is not configured")
 
 
 @functools.lru_cache(maxsize=8)
@@ -166,5 +183,6 @@ def plaintext(row: Any, keys: SealingKeys | None) -> bytes:
     if row.body_key_id is None:
         return bytes(row.body)
     if keys is None:
-        raise SealError(f"body is sealed under key {row.body_key_id} but OUTBOX_ENCRYPTION_KEY is not set")
+        raise KeyUnavailable(f"body is sealed under key {row.body_key_id} but OUTBOX_ENCRYPTION_KEY is not set: "
+                             "set it (docs/encryption.md)")
     return keys.open(BODY, bytes(row.body), tenant_id=row.tenant_id, idempotency_key=row.idempotency_key)

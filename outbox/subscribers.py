@@ -42,7 +42,8 @@ from outbox.producer import (
     principal,
 )
 from outbox.schema import db_now, messages, subscribers
-from outbox.sealing import SUBSCRIBER_CREDENTIAL
+from outbox.keyset import producer_keys
+from outbox.sealing import SUBSCRIBER_CREDENTIAL, SealingKeys
 
 HOLD_UNTIL = 253_402_300_799.0  # 9999-12-31T23:59:59Z, the latest time tools can print: "until released"
 _SCHEME_OF_MODE = {"hmac": "HMAC-SHA256", "bearer": "Bearer"}
@@ -125,13 +126,17 @@ def _config_digest(registration: _Registration, events: list[str]) -> str:
     return hashlib.sha256(json.dumps(scope).encode()).hexdigest()
 
 
-def seal_credential(settings: Settings, tenant_id: str, account_id: str, subscriber_id: str,
+def seal_credential(keys: SealingKeys | None, tenant_id: str, account_id: str, subscriber_id: str,
                     credential: str) -> bytes:
-    """A subscriber's legacy credential sealed under the active key, bound to its own row."""
-    keys = settings.sealing()
+    """A subscriber's legacy credential sealed under the sealing key, bound to its own row."""
     assert keys is not None  # _registration refuses credentials without a key
     return keys.seal(SUBSCRIBER_CREDENTIAL, credential.encode(), tenant_id=tenant_id,
-                     idempotency_key=json.dumps([account_id, subscriber_id]))
+                     idempotency_key=credential_identity(account_id, subscriber_id))
+
+
+def credential_identity(account_id: str, subscriber_id: str) -> str:
+    """What a subscriber's sealed credential is bound to besides its tenant: its own row."""
+    return json.dumps([account_id, subscriber_id])
 
 
 def open_credential(settings: Settings, row: Any) -> str:
@@ -140,7 +145,7 @@ def open_credential(settings: Settings, row: Any) -> str:
     if keys is None:
         raise ConfigurationError("subscriber credentials are stored encrypted: set OUTBOX_ENCRYPTION_KEY")
     return keys.open(SUBSCRIBER_CREDENTIAL, bytes(row.auth_secret), tenant_id=row.tenant_id,
-                     idempotency_key=json.dumps([row.account_id, row.subscriber_id])).decode()
+                     idempotency_key=credential_identity(row.account_id, row.subscriber_id)).decode()
 
 
 def release_held(subscriber_refs: Sequence[int]) -> Update:
@@ -204,7 +209,7 @@ def _queue_challenge(connection: Connection, *, row_id: int, tenant: str, accoun
     columns = {"notification_type": protocol.CHALLENGE_TYPE, "account_id": account,
                "subscriber_id": subscriber_id, "subscriber_ref": row_id, "principal_id": owner}
     row = _row(tenant, proof, f"whk_{uuid.uuid4()}", _render(content), content, settings, columns)
-    return store_bound(connection, row, settings.sealing()).id
+    return store_bound(connection, row, producer_keys(connection, settings)).id
 
 
 def _key(tenant: str, account: str, subscriber_id: str) -> Any:
@@ -264,7 +269,8 @@ def register_subscriber(
     agent_url = _seller_agent_url(settings) if new_proof else None  # every check before the first write
     secret = None
     if registration.credentials is not None:
-        secret = seal_credential(settings, tenant, account, subscriber_id, registration.credentials)
+        secret = seal_credential(producer_keys(connection, settings), tenant, account, subscriber_id,
+                                 registration.credentials)
     if row is not None and row.state == "pending_proof" and not keep_proof and not (renew and new_proof):
         _cancel_proof(connection, row, "subscriber changed before its URL proof completed")
     values = {"principal_id": owner, "url": registration.url, "event_types": json.dumps(events),

@@ -15,7 +15,7 @@ from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
 from outbox.producer import decode_body
-from outbox.sealing import CREDENTIAL, SealError, plaintext
+from outbox.sealing import CREDENTIAL, KeyUnavailable, SealError, plaintext
 from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor import challenge
@@ -31,7 +31,8 @@ class Outcome:
     message: Claimed
     # delivered | retry | dead, or, with no request made and no attempt row: expire (past
     # its horizon when its request would start) | release (the half-open probe went to another
-    # daemon) | pause (the daemon cannot sign or open its credentials now: due again shortly)
+    # daemon) | hold (the daemon cannot sign now, or lacks the key a body or credential is
+    # sealed under: due again shortly, for any daemon)
     action: str
     outcome: str  # attempt outcome: success | failed | timeout | connection_error | abandoned
     reason: str | None = None  # dead reason
@@ -40,6 +41,10 @@ class Outcome:
     response_time_ms: int | None = None
     retry_after: float | None = None
     sent: bool = False  # a request was made: counts for the circuit breaker
+
+    @classmethod
+    def held(cls, message: Claimed, error: str) -> "Outcome":
+        return cls(message, "hold", "held", error=error[:200])
 
     @classmethod
     def dead(cls, message: Claimed, reason: str, error: str) -> "Outcome":
@@ -59,8 +64,8 @@ def opened(message: Claimed, settings: Settings) -> Claimed:
     """``message`` with the exact bytes to send: its sealed body opened, in memory only.
 
     The stored hash covers the stored bytes, so it is checked first; a body that does not
-    open (a key no longer configured, tampering, a blob moved from another row) raises
-    :class:`SealError`, which ends the message ``dead invalid``: no retry can open it.
+    open raises :class:`SealError`: tampering or a blob moved from another row end the
+    message ``dead invalid``; a key this process lacks (:class:`KeyUnavailable`) holds it.
     """
     if message.body_sha256 is not None and hashlib.sha256(message.body).digest() != message.body_sha256:
         raise SealError("body does not match its stored SHA-256")
@@ -104,7 +109,8 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource
 
     RFC 9421 unless the buyer registered legacy ``authentication`` — never both
     (docs/protocol.md "Legacy credentials").
-    Raises :class:`SealError` for credentials that do not open, :class:`UnusableCredential`
+    Raises :class:`SealError` for credentials that do not open (:class:`KeyUnavailable` when
+    this process lacks their key), :class:`UnusableCredential`
     for ones that cannot be a header, and :class:`PreparationError` when the daemon lacks a key.
     """
     if message.auth_mode == "rfc9421":
@@ -115,7 +121,8 @@ def auth_headers(message: Claimed, url: str, settings: Settings, keys: KeySource
         return signature_headers(key, url=url, body=message.body, clock=clock)
     sealing = settings.sealing()
     if sealing is None:
-        raise PreparationError("legacy credentials stored but OUTBOX_ENCRYPTION_KEY is not set")
+        raise KeyUnavailable("legacy credentials are sealed but OUTBOX_ENCRYPTION_KEY is not set: set it "
+                             "(docs/encryption.md)")
     assert message.auth_secret is not None
     secret = sealing.open(CREDENTIAL, message.auth_secret, tenant_id=message.tenant_id,
                        idempotency_key=message.idempotency_key)
@@ -136,6 +143,8 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
     """
     try:
         message = opened(message, settings)
+    except KeyUnavailable as exc:
+        return Outcome.held(message, str(exc))
     except SealError as exc:
         return Outcome.dead(message, "invalid", str(exc))
     problem, url = integrity_problem(message, settings)
@@ -143,10 +152,12 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
         return Outcome.dead(message, "invalid", problem)
     try:
         headers = auth_headers(message, url, settings, keys, clock)
+    except KeyUnavailable as exc:
+        return Outcome.held(message, str(exc))
     except (SealError, UnusableCredential) as exc:
         return Outcome.dead(message, "invalid", str(exc))
     except PreparationError as exc:  # the daemon's to fix (a key): wait, burning no attempt
-        return Outcome(message, "pause", "paused", error=str(exc)[:200])
+        return Outcome.held(message, str(exc))
     # Judged as the request starts, in the database's time (the claim's, carried forward): a
     # message that waited for a slot, or a lease, may have reached its horizon meanwhile. The
     # request's bytes go out once connected, so it starts only if even the slowest connect

@@ -7,7 +7,9 @@ import json
 import sys
 from typing import Any
 
-from outbox.bodies import encryption_summary
+from outbox.bodies import encryption_summary, unopenable_rows
+from outbox.keyset import read_ledger
+from supervisor.resealer import held_line
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cli_common import (
@@ -32,14 +34,21 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
     async def work(conn: Any) -> dict[str, Any]:
         keys = await conn.run_sync(read_snapshot)
+        ledger = await conn.run_sync(read_ledger)
+        held = await unopenable_rows(conn, settings.sealing())
         return {**await ops.status(conn, top=args.top), "subscribers": await counts_by_state(conn),
-                "signing_paused": list(keys.paused(keys.now).values())}
+                "signing_paused": list(keys.paused(keys.now).values()),
+                "encryption": encryption_summary(settings, ledger.sealing_key_id),
+                "sealed_unopenable": held_line(held, "this configuration"),
+                "held_by_processes": {r.reader_id: r.unopenable for r in ledger.live() if r.unopenable}}
 
     data = run_async(settings, work)
-    data["encryption"] = encryption_summary(settings)
+    # Messages waiting on the operator (no signing key, a missing encryption key) fail the
+    # command, so a script or a probe running `outboxd status` sees them.
+    held = 1 if data["signing_paused"] or data["sealed_unopenable"] or data["held_by_processes"] else 0
     if args.json:
         print_json(data)
-        return 0
+        return held
     m = data["messages"]
     print(f"messages   pending {m['pending']}  in_flight {m['in_flight']}  delivered {m['delivered']}  dead {m['dead']}")
     print(f"oldest due {data['oldest_due_age_seconds']:.1f} s" if m["pending"] else "oldest due none (nothing pending)")
@@ -48,11 +57,15 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
                                      f"{b['trips']} trips)" for b in data["open_breakers"])
                            or "all closed"))
     print(f"encryption {data['encryption']}")
+    if data["sealed_unopenable"] is not None:
+        print(f"HELD       {data['sealed_unopenable']}")
+    for reader, count in data["held_by_processes"].items():
+        print(f"HELD       {held_line(count, reader)}")
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
     print("subscribers " + (", ".join(f"{k} {v}" for k, v in data["subscribers"].items()) or "none"))
     print("signing    " + ("; ".join(data["signing_paused"]) or "every scope has an active key"))
-    return 0
+    return held
 
 
 def filters_of(args: argparse.Namespace) -> Any:

@@ -44,10 +44,12 @@ REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, th
 # A retry whose back-off would pass the horizon gets one last attempt this long before it
 # (time for a claim and a full request), instead of being given up at once.
 LAST_TRY_MARGIN_SECONDS = 60.0
-UNSENT = ("expire", "release", "pause")  # claimed but not sent: no attempt made, none counted or logged
-# A message the daemon could not prepare (its scope has no active signing key) is due again
-# this long after: a promoted key signs one second after it commits (supervisor/keyring.py).
-PAUSED_RECHECK_SECONDS = 5.0
+UNSENT = ("expire", "release", "hold")  # claimed but not sent: no attempt made, none counted or logged
+# A message the daemon cannot prepare now (its scope has no active signing key, or it is sealed
+# under a key this process lacks) waits this long before it is claimed again, by this daemon or
+# one that can: a promoted signing key signs one second after it commits (supervisor/keyring.py),
+# and docs/encryption.md ("Without the key") says what holds a sealed one.
+HOLD_SECONDS = 5.0
 Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
 # Told after each batch: the retryable failures no longer pending here (their request slots
 # free), and the endpoints whose breakers that batch opened.
@@ -285,8 +287,8 @@ class Completer:
             state, reason = "dead", o.reason
         elif o.action == "release":
             next_at = now
-        elif o.action == "pause":
-            next_at = now + PAUSED_RECHECK_SECONDS
+        elif o.action == "hold":
+            next_at = now + HOLD_SECONDS
         elif o.outcome == "abandoned":  # interrupted at shutdown: due again at once
             next_at = now
         else:  # retry

@@ -39,7 +39,7 @@ from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
-from supervisor.resealer import Resealer
+from supervisor.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.transport import HttpSender
 from supervisor.pgdirect import connect_options
@@ -109,6 +109,8 @@ class Daemon:
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog,
                                unrecorded=lambda: self.completer.unrecorded_ids)
+        self.resealer = Resealer(self.engine, settings, reader_id=self.daemon_id, outage=self.outage,
+                                 metrics=self.metrics)
         self.health = HealthServer(self.metrics, self._problem, self.keys.documents(),
                                    notice=lambda: "; ".join(self.keys.paused().values()) or None)
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
@@ -120,8 +122,10 @@ class Daemon:
             self.metrics.signing_active_keys.labels(scope=scope).set(count)
 
     async def _problem(self) -> str | None:
-        """Why ``/readyz`` must fail now: an activity that keeps failing, or the schema."""
-        return self.outage.problem() or (await _schema_check(self.engine)).problem()
+        """Why ``/readyz`` must fail now: an activity that keeps failing, the schema, or messages
+        held for an encryption key this process lacks."""
+        return (self.outage.problem() or (await _schema_check(self.engine)).problem()
+                or held_line(self.resealer.unopenable))
 
     async def wait_for_schema(self, stop: asyncio.Event) -> bool:
         """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
@@ -185,6 +189,7 @@ class Daemon:
             if await self.wait_for_schema(stop):
                 await self.clock.measure(self.engine)  # ClockOffsetError: never sign with a clock receivers reject
                 await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
+                await self.resealer.tick()  # report the encryption keys before the first claim
                 ready = True
         finally:
             if not ready:  # stopped while waiting, or refused: nothing else was started
@@ -209,18 +214,15 @@ class Daemon:
                                 name="maintenance"),
             asyncio.create_task(self.clock.watch(self.engine, self.outage), name="clock"),
         ]
-        keys = self.settings.sealing()
-        if keys is not None:
-            background.append(asyncio.create_task(
-                Resealer(self.engine, keys, outage=self.outage, on_resealed=self.metrics.bodies_resealed.inc).run(),
-                name="resealer"))
+        background.append(asyncio.create_task(self.resealer.run(), name="resealer"))
         if is_postgresql(self.settings.database_url):
             background.extend(self._wakeups())
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         self.log.info("daemon.started", concurrency=self.settings.concurrency,
                       metrics=self.metrics_address, horizon_seconds=self.settings.retry_horizon_seconds,
-                      body_encryption=encryption_summary(self.settings))
+                      body_encryption=encryption_summary(self.settings, self.resealer.agreed),
+                      held=held_line(self.resealer.unopenable))
         failure: BaseException | None = None
         try:
             done, _ = await asyncio.wait([claimer, stopper, *background], return_when=asyncio.FIRST_COMPLETED)
@@ -237,6 +239,7 @@ class Daemon:
             for task in [stopper, *background]:
                 task.cancel()
             await asyncio.gather(stopper, *background, return_exceptions=True)
+            await self.resealer.stop()
             await self.fanout.close()
             await self.health.close()
             await self.sender.aclose()

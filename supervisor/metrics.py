@@ -69,6 +69,14 @@ class Metrics:
                                        "docs/pooler.md).", ["cause"], registry=r)
         self.bodies_resealed = Counter("outbox_bodies_resealed", "Stored bodies moved onto the active encryption key.",
                                        registry=r)
+        self.sealed_unopenable = Gauge(
+            "outbox_sealed_rows_unopenable", "Messages to deliver sealed under a key this process lacks: held, "
+            "not sent, until a process with the key takes them.", registry=r)
+        self.reseal_backlog = Gauge("outbox_encryption_reseal_backlog",
+                                    "Messages not yet sealed under the agreed key (rotation progress).", registry=r)
+        self.rotation_waiting = Gauge("outbox_encryption_rotation_waiting_processes",
+                                      "Live processes that cannot open the newest announced key yet: it seals "
+                                      "only once this is 0.", registry=r)
         self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
         self.breaker_transitions = Counter("outbox_breaker_transitions", "Circuit breaker state changes.",
                                            ["from_state", "to_state"], registry=r)

@@ -52,6 +52,9 @@ GAUGES = {
     "outbox_in_flight_requests",
     "outbox_build_info",
     "outbox_signing_active_keys",  # keys able to sign now, per daemon (and scope): 0 holds webhooks
+    "outbox_sealed_rows_unopenable",
+    "outbox_encryption_reseal_backlog",
+    "outbox_encryption_rotation_waiting_processes",
 }
 HISTOGRAMS = {
     "outbox_attempt_duration_seconds",
@@ -224,6 +227,7 @@ def test_alert_rules_cover_the_required_conditions():
     assert signature["expr"].rstrip().endswith("> 0")
     no_key = find("(outbox_signing_active_keys) == 0")
     assert no_key["labels"]["severity"] == "critical" and "docs/operations.md" in no_key["annotations"]["runbook"]
+    assert find("max by (instance) (outbox_sealed_rows_unopenable) > 0")["labels"]["severity"] == "critical"
 
 
 def test_dashboard_reads_only_the_states_the_messages_gauge_has():

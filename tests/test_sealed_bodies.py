@@ -17,7 +17,7 @@ import outbox
 from outbox.sealing import plaintext
 from outbox.config import ConfigurationError, load_settings
 from outbox.schema import messages
-from outbox.sealing import SealError, key_id
+from outbox.sealing import KeyUnavailable, SealError, key_id
 from supervisor.attempt import opened
 from tests import stored
 
@@ -136,9 +136,9 @@ def test_the_daemon_opens_only_with_a_configured_key(engine):
                       attempt=1, retry_until=2e9, created_at=1e9, trigger="scheduled", claimed_at=1.7e9,
                       lease_token="x", body_key_id=row.body_key_id)
     assert json.loads(opened(claimed, sealing_settings(new, old)).body)["token"] == TOKEN
-    with pytest.raises(SealError, match=f"sealed under key {key_id(base64.b64decode(old))}"):
+    with pytest.raises(KeyUnavailable, match=f"sealed under key {key_id(base64.b64decode(old))}"):
         opened(claimed, sealing_settings(new))
-    with pytest.raises(SealError, match="OUTBOX_ENCRYPTION_KEY is not set"):
+    with pytest.raises(KeyUnavailable, match="OUTBOX_ENCRYPTION_KEY is not set"):
         opened(claimed, sealing_settings(None))
 
 
@@ -165,11 +165,13 @@ def test_cli_show_and_status_never_print_a_secret(pg_engine, pg_url, monkeypatch
     for secret in (TOKEN, CREDENTIAL):  # the context is the operator's to read; credentials never
         assert secret not in everything
     assert json.loads(outputs[0])["payload"]["token"] == "[redacted]"
-    assert json.loads(outputs[-1])["rows_by_key"] == [
-        {"key_id": key_id(base64.b64decode(key)), "rows": 4, "configured": True, "active": True}]
+    [entry] = [e for e in json.loads(outputs[-1])["keys"] if e["key_id"] == key_id(base64.b64decode(key))]
+    assert entry["configured"]
+    assert entry["rows"] == {"message bodies": 4, "message credentials": 1}
     monkeypatch.delenv("OUTBOX_ENCRYPTION_KEY")
-    assert main(["status"]) == 0
-    assert "stored in plaintext" in capsys.readouterr().out
+    assert main(["status"]) == 1  # sealed messages this configuration cannot open are held
+    shown = capsys.readouterr().out
+    assert "stored in plaintext" in shown and "HELD       4 message(s)" in shown
 
 
 async def test_reseal_moves_every_row_onto_the_active_key(engine):

@@ -7,6 +7,7 @@ import hashlib
 import os
 import threading
 import time
+import urllib.request
 
 import pytest
 from sqlalchemy import select
@@ -17,6 +18,8 @@ from outbox.schema import messages
 from supervisor.cli import main as cli
 from tests import procs, stored
 from tests.test_e2e import finished, states
+from tests.test_rolling_upgrade import readyz
+from tests.test_ui import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -114,19 +117,56 @@ def test_rotation_mid_run_reseals_everything_while_messages_keep_arriving(pg_eng
     assert "bodies.resealed" in (tmp_path / "d2.log").read_text()
 
 
-def test_a_body_sealed_under_a_removed_key_ends_dead_invalid(sqlite_url, sqlite_engine, tmp_path):
+def test_without_its_key_the_daemon_holds_sealed_messages_until_the_key_is_supplied(
+        sqlite_url, sqlite_engine, tmp_path, monkeypatch, capsys):
     key, jwks = procs.make_key(tmp_path)
-    removed = new_key()
-    with procs.receiver(tmp_path, jwks) as (port, log):
-        message_id = enqueue(sqlite_engine, producer_settings(removed), f"http://127.0.0.1:{port}", "/ok", 1)
-        daemon = procs.start_daemon(procs.daemon_env(sqlite_url, key, encryption_key=new_key()),
-                                    tmp_path / "d.log")
+    secret = new_key()
+    kid = producer_settings(secret).sealing().active_id
+    port = free_port()
+    with procs.receiver(tmp_path, jwks) as (receiver_port, log):
+        ids = [enqueue(sqlite_engine, producer_settings(secret), f"http://127.0.0.1:{receiver_port}", "/ok", i)
+               for i in range(3)]
+        for missing in ({}, {"encryption_key": new_key()}):  # no key, then a wrong one
+            daemon = procs.start_daemon(procs.daemon_env(sqlite_url, key, metrics_addr=f"127.0.0.1:{port}",
+                                                         **missing), tmp_path / "held.log")
+            try:
+                assert procs.wait_until(lambda: held(port), 30), (tmp_path / "held.log").read_text()[-800:]
+                status, line = readyz(port)
+                assert line.count("\n") == 1 and "OUTBOX_ENCRYPTION_OLD_KEYS" in line
+                assert procs.wait_until(lambda: "encryption.rows_unopenable" in (tmp_path / "held.log").read_text(), 30)
+                assert "outbox_sealed_rows_unopenable 3.0" in metrics(port)
+                monkeypatch.setenv("OUTBOX_DATABASE_URL", sqlite_url)
+                for name, value in missing.items():
+                    monkeypatch.setenv(f"OUTBOX_{name.upper()}", value)
+                assert cli(["status"]) == 1
+                assert "HELD       3 message(s) to deliver are sealed under a key this configuration lacks" \
+                    in capsys.readouterr().out
+                assert cli(["encryption", "status"]) == 1
+                assert f"under key(s) {kid} that this configuration cannot open" in capsys.readouterr().err
+            finally:
+                assert procs.stop(daemon) == 0
+                monkeypatch.delenv("OUTBOX_ENCRYPTION_KEY", raising=False)
+            assert procs.arrivals(log) == [] and states(sqlite_engine).get("dead", 0) == 0
+            assert states(sqlite_engine)["pending"] == 3
+        daemon = procs.start_daemon(procs.daemon_env(sqlite_url, key, encryption_key=secret), tmp_path / "d.log")
         try:
-            assert procs.wait_until(lambda: finished(sqlite_engine, 1), 30), states(sqlite_engine)
+            assert procs.wait_until(lambda: finished(sqlite_engine, 3), 30), states(sqlite_engine)
         finally:
             assert procs.stop(daemon) == 0
-        assert procs.arrivals(log) == []
-    row = stored.row(sqlite_engine, message_id)
-    kid = producer_settings(removed).sealing().active_id
-    assert (row.state, row.dead_reason) == ("dead", "invalid")
-    assert f"sealed under key {kid}" in row.last_error
+        arrivals = procs.arrivals(log)
+    assert states(sqlite_engine) == {"delivered": 3}
+    assert sorted(a["sha256"] for a in arrivals) == sorted(sent_bytes(sqlite_engine, i, producer_settings(secret))
+                                                           for i in ids)
+
+
+def held(port: int) -> bool:
+    try:
+        status, line = readyz(port)
+    except OSError:  # not listening yet
+        return False
+    return status == 503 and "held" in line
+
+
+def metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
