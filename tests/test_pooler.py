@@ -37,7 +37,6 @@ from tests.pgbouncer import free_port, pgbouncer
 from tests.test_db_faults import (PRODUCER, _exit_line, all_finished, check_ledger, daemon_events, load_messages,
                                   message_key)
 from tests.test_e2e import leased_by
-from tests.test_partitions import fresh_db  # noqa: F401 - a fixture: an empty database of its own
 from tests.test_rolling_upgrade import readyz
 
 THREADS, TRANSACTIONS, REPORTS = 4, 40, 50
