@@ -94,6 +94,7 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "key_cache_window_seconds": _seconds(zero=True),
     "sink_timeout_seconds": _seconds(),
     "proof_max_attempts": Bounds(1, MAX_COUNT),
+    "endpoint_metrics_top": Bounds(0, 1000),
     # At least the 30 days AdCP requires of webhook_activity[] history (docs/subscribers.md).
     "activity_retention_days": Bounds(MIN_ACTIVITY_RETENTION_DAYS, 36_500, why=" (AdCP webhook_activity retention)"),
 }
@@ -137,6 +138,9 @@ class Settings:
     sinks: tuple[str, ...] = ()
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False
+    # Per-endpoint health series on /metrics for the N busiest endpoints (0: none); bounded
+    # cardinality, since tenant and origin become labels (docs/observability.md).
+    endpoint_metrics_top: int = 0
     # HTTPS trust (supervisor/tls.py): a private CA file or directory, else certifi | system
     tls_ca_file: str | None = None
     tls_ca_dir: str | None = None

@@ -292,6 +292,27 @@ breaker_transitions = Table(
     Index("outbox_breaker_transitions_key_idx", "tenant_id", "origin", "occurred_at"),
 )
 
+# Upper bounds (ms) of the latency histogram of outbox_endpoint_stats: column le_i counts
+# attempts that took at most LATENCY_BOUNDS_MS[i]; the last column counts the slower ones.
+LATENCY_BOUNDS_MS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+
+# Endpoint health (supervisor/health_stats.py): per minute, endpoint and daemon, what the
+# completer recorded. A window's health is the sum of its rows, whatever the attempt history.
+endpoint_stats = Table(
+    "outbox_endpoint_stats",
+    metadata,
+    Column("minute", BigInteger, nullable=False),  # floor(epoch seconds / 60), the database's clock
+    Column("tenant_id", Text, nullable=False),
+    Column("origin", Text, nullable=False),
+    Column("daemon_id", Text, nullable=False),  # each daemon adds to its own row: no hot row across replicas
+    Column("attempts", Integer, nullable=False, server_default="0"),  # requests made
+    Column("successes", Integer, nullable=False, server_default="0"),  # 2xx answers
+    Column("deaths", Integer, nullable=False, server_default="0"),  # messages that ended dead
+    Column("latency_ms_sum", BigInteger, nullable=False, server_default="0"),
+    *(Column(f"le_{i}", Integer, nullable=False, server_default="0") for i in range(len(LATENCY_BOUNDS_MS) + 1)),
+    PrimaryKeyConstraint("minute", "tenant_id", "origin", "daemon_id", name="outbox_endpoint_stats_pkey"),
+)
+
 # One row per migration (from 0006 on): the oldest code revision that can still run on a
 # database at that revision. Lets a daemon one release behind keep delivering during a
 # rolling upgrade (outbox.migrate.check_schema; docs/architecture.md, "Rolling upgrades").

@@ -218,7 +218,7 @@ class _Statements:
                            AND {DEADLINE} <= {now}
                          LIMIT :limit {lock_plain})
               AND state = 'pending'
-            RETURNING id, tenant_id
+            RETURNING id, tenant_id, origin
         """)
         self.next_due = text(f"SELECT min(next_attempt_at), {now} FROM outbox_messages WHERE state = 'pending'")
         # Gauges read only the partial indexes of live rows: their cost is what is due,
@@ -436,7 +436,7 @@ async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> l
 
 
 async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[Any]:
-    """End ``dead expired`` what is pending past its horizon (attempted or not); their (id, tenant_id) rows."""
+    """End ``dead expired`` what is pending past its horizon (attempted or not); their (id, tenant_id, origin) rows."""
     params = {"limit": limit, "horizon": horizon_seconds, "min_horizon": MIN_HORIZON_SECONDS}
     return list(await conn.execute(sql(conn).expire, params))
 

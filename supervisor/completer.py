@@ -29,7 +29,7 @@ from outbox.store import Claimed, Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
-from supervisor import challenge
+from supervisor import challenge, health_stats
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
 from supervisor.classify import RetryPolicy
@@ -252,6 +252,11 @@ class Completer:
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
             await self._settle_proofs(conn, plans, applied)
+            await health_stats.record(conn, health_stats.tally(
+                (health_stats.Recorded(o.message.tenant_id, o.message.origin, record is not None,
+                                       o.outcome == "success", o.response_time_ms, completion.state == "dead")
+                 for o, (completion, record) in zip(batch, plans) if o.message.origin and o.message.id in applied),
+                now=now, daemon_id=self._daemon_id))
         self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded([o.message for o in batch if o.action == "retry"],
                           [key for key, _, after in transitions if after == "open"])

@@ -81,7 +81,8 @@ class Daemon:
                  metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.daemon_id = new_daemon_id()
-        self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics)
+        self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics,
+                                          endpoint_top=settings.endpoint_metrics_top)
         self.engine = make_async_engine(settings.database_url)
         self.keys = CachedKeyring(settings)
         self.sender = sender or HttpSender(settings)

@@ -1,5 +1,6 @@
 """Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
-sample the gauges that need a query, and (PostgreSQL) keep the attempt partitions of the
+sample the gauges that need a query, prune endpoint health past its retention
+(:mod:`supervisor.health_stats`), and (PostgreSQL) keep the attempt partitions of the
 coming days ready (:mod:`outbox.partitions`).
 
 Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
@@ -21,14 +22,15 @@ from outbox.partitions import ensure_attempt_partitions
 from outbox.schema import breakers
 from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
-from supervisor import challenge
-from supervisor.metrics import Metrics
+from supervisor import challenge, health_stats
+from supervisor.metrics import ENDPOINT_WINDOW_SECONDS, Metrics
 from supervisor.outage import OutageGuard
 
 RESCUE_INTERVAL = 2.0
 EXPIRE_INTERVAL = 30.0
 GAUGE_INTERVAL = 15.0
 PARTITION_INTERVAL = 3600.0
+PRUNE_INTERVAL = 60.0
 
 
 async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
@@ -55,6 +57,9 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
         pending, in_flight = await store.live_counts(conn)
         oldest, now = await store.next_due_at(conn)
         states = dict((await conn.execute(select(breakers.c.state, func.count()).group_by(breakers.c.state))).all())
+        if metrics.endpoint_top:
+            metrics.set_endpoints(await health_stats.endpoint_health(
+                conn, window_seconds=ENDPOINT_WINDOW_SECONDS, limit=metrics.endpoint_top))
     metrics.messages.labels(state="pending").set(pending)
     metrics.messages.labels(state="in_flight").set(in_flight)
     metrics.oldest_due_age.set(max(now - oldest, 0.0) if oldest is not None else 0.0)
@@ -85,12 +90,18 @@ class Maintenance:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
                         await challenge.settle(conn, [], [r.id for r in expired])  # an expired proof failed
+                        await health_stats.record(conn, health_stats.tally(
+                            (health_stats.Recorded(r.tenant_id, r.origin, False, False, None, True)
+                             for r in expired if r.origin), now=await store.db_now(conn), daemon_id=self._daemon_id))
                     for row in expired:
                         self._metrics.count_dead("expired", row.tenant_id)
                     if expired:
                         self._log.warning("messages.expired", count=len(expired))
                 if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:
                     await sample_gauges(self._engine, self._metrics)
+                if ticks % int(PRUNE_INTERVAL / RESCUE_INTERVAL) == 0:
+                    async with self._engine.begin() as conn:
+                        await health_stats.prune(conn)
                 if ticks % int(PARTITION_INTERVAL / RESCUE_INTERVAL) == 0 and self._partitioned:
                     created = await ensure_attempt_partitions(self._engine)
                     if created:
