@@ -23,6 +23,7 @@ from sqlalchemy import and_, delete, func, select, text, true, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import LATENCY_BOUNDS_MS, PG_NOW, SQLITE_NOW, breakers, endpoint_stats
+from outbox.store import _json_rows as json_rows
 from supervisor.ops import rfc3339
 
 BUCKETS = len(LATENCY_BOUNDS_MS) + 1
@@ -74,14 +75,9 @@ def tally(recorded: Iterable[Recorded], *, now: float, daemon_id: str) -> list[d
 
 def _upsert_sql(pg: bool) -> Any:
     """Add rows to their minute's counts: one statement per flush, whatever its size."""
-    kinds = {"minute": "bigint", "tenant_id": "text", "origin": "text", "daemon_id": "text"}
-    columns = [*kinds, *COUNTS]
-    if pg:
-        spec = ", ".join(f"{c} {kinds.get(c, 'bigint')}" for c in columns)
-        source = f"jsonb_to_recordset(CAST(:rows AS jsonb)) AS v({spec})"
-    else:
-        source = "(SELECT " + ", ".join(f"json_extract(value, '$.{c}') AS {c}" for c in columns) + \
-                 " FROM json_each(:rows)) AS v"
+    kinds = {"tenant_id": "text", "origin": "text", "daemon_id": "text"}
+    columns = ["minute", *kinds, *COUNTS]
+    source = json_rows(pg, [(c, kinds.get(c, "int")) for c in columns])
     added = ", ".join(f"{c} = outbox_endpoint_stats.{c} + excluded.{c}" for c in COUNTS)
     listed = ", ".join(columns)
     # WHERE true: SQLite needs it to parse ON CONFLICT after INSERT ... SELECT.
@@ -98,10 +94,16 @@ async def record(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
         await conn.execute(_UPSERT[conn.dialect.name == "postgresql"], {"rows": json.dumps(rows)})
 
 
+def _minute(conn: AsyncConnection, seconds_ago: int) -> Any:
+    """The database's minute number (as :func:`tally` counts) ``seconds_ago`` before now."""
+    if conn.dialect.name == "postgresql":
+        return text(f"CAST(floor(({PG_NOW} - {seconds_ago}) / 60) AS BIGINT)")
+    return text(f"CAST(({SQLITE_NOW} - {seconds_ago}) / 60 AS INTEGER)")  # truncates: floor for epoch times
+
+
 async def prune(conn: AsyncConnection, *, limit: int = PRUNE_LIMIT) -> int:
     """Delete one batch of minutes older than :data:`RETENTION_SECONDS`; how many rows went."""
-    now = PG_NOW if conn.dialect.name == "postgresql" else SQLITE_NOW
-    oldest = text(f"CAST(({now} - {RETENTION_SECONDS}) / 60 AS BIGINT)")
+    oldest = _minute(conn, RETENTION_SECONDS)
     doomed = select(endpoint_stats.c.minute, endpoint_stats.c.tenant_id, endpoint_stats.c.origin,
                     endpoint_stats.c.daemon_id).where(endpoint_stats.c.minute < oldest).limit(limit)
     keys = [tuple(r) for r in await conn.execute(doomed)]
@@ -167,8 +169,7 @@ async def endpoint_health(conn: AsyncConnection, *, window_seconds: float = 3600
     if not 60 <= window_seconds <= RETENTION_SECONDS:
         raise ValueError(f"window must be between 1 minute and {RETENTION_SECONDS // 3600} hours")
     s = endpoint_stats.c
-    now = PG_NOW if conn.dialect.name == "postgresql" else SQLITE_NOW
-    first = text(f"CAST({now} / 60 AS BIGINT) - {int(window_seconds // 60) - 1}")
+    first = _minute(conn, (int(window_seconds // 60) - 1) * 60)
     scope = and_(true(), *([s.tenant_id == tenant] if tenant else []), *([s.origin == origin] if origin else []))
     sums = [func.sum(getattr(s, c)).label(c) for c in COUNTS]
     query = (select(s.tenant_id, s.origin, *sums).where(s.minute >= first, scope)
