@@ -35,6 +35,7 @@ from outbox.identity import (
     store_bound,
     stream_key as scoped_stream_key,
 )
+from outbox.tracecontext import current_traceparent
 from outbox.urls import origin, validate_destination
 
 Conn = Connection | Session
@@ -177,6 +178,7 @@ def _row(
         **columns,
     }
     row["material"] = binding_material(row, content)
+    row.update(_attribution(traceparent=current_traceparent()))  # transport, not bound content
     return row
 
 

@@ -122,6 +122,8 @@ messages = Table(
     # A fire waiting for its subscriber's URL proof: also due only in the far future, so no
     # claim (of this release or an older one) ever takes it before it is released.
     Column("held", Boolean, nullable=False, server_default=false()),
+    # The enqueuing caller's W3C trace context: attempts' spans are its children (outbox/tracecontext.py).
+    Column("traceparent", Text),
     _enum_check("state", STATES, "outbox_messages_state_check"),
     _enum_check("dead_reason", DEAD_REASONS, "outbox_messages_dead_reason_check", nullable=True),
     _enum_check("auth_mode", AUTH_MODES, "outbox_messages_auth_mode_check"),
@@ -185,6 +187,8 @@ attempts = Table(
     Column("trigger", Text, nullable=False),
     Column("daemon_id", Text),
     Column("occurred_at", _Epoch, nullable=False, server_default=db_now()),
+    Column("trace_id", Text),  # the attempt's span (OpenTelemetry), when tracing is on
+    Column("span_id", Text),
     Index("outbox_attempts_message_idx", "message_id", "attempt_number"),
     Index("outbox_attempts_occurred_idx", "occurred_at"),
 )

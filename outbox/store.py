@@ -155,7 +155,7 @@ def _claim_sql(pg: bool, now: str) -> str:
         RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id, auth_mode, auth_secret,
                   sequence_number, notification_type, attempts, retry_until, created_at, trigger,
                   {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
-                  {breaker.format(col="open_until")} AS breaker_open_until
+                  {breaker.format(col="open_until")} AS breaker_open_until, traceparent
     """
 
 
@@ -281,6 +281,7 @@ class Claimed:
     breaker_state: str | None = None  # this endpoint's breaker at claim time (None: no row)
     breaker_open_until: float | None = None
     body_key_id: str | None = None  # the key the stored body is sealed under (None: plaintext)
+    traceparent: str | None = None  # the enqueuing caller's W3C trace context
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ async def claim(
             retry_until=float(r.retry_until), created_at=float(r.created_at), trigger=r.trigger,
             claimed_at=float(r.claimed_at), lease_token=token, breaker_state=r.breaker_state,
             breaker_open_until=None if r.breaker_open_until is None else float(r.breaker_open_until),
+            traceparent=r.traceparent,
         )
         for r in result
     ]

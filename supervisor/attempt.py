@@ -39,6 +39,7 @@ class Outcome:
     response_time_ms: int | None = None
     retry_after: float | None = None
     sent: bool = False  # a request was made: counts for the circuit breaker
+    trace: tuple[str, str] | None = None  # (trace id, span id) of the attempt's span, when tracing is on
 
     @classmethod
     def dead(cls, message: Claimed, reason: str, error: str) -> "Outcome":

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import store
 from outbox.config import Settings
 from outbox.store import Claimed
+from supervisor import tracing
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitState
 from supervisor.dispatch import Dispatcher
@@ -156,11 +157,12 @@ class Claimer:
         # most that (requests may end while it runs), so an origin whose held plus claimed
         # reaches the budget may have had due work left behind.
         held = {origin: self._dispatch.held(origin) for origin in self._dispatch.origins()}
-        async with self._connection() as conn:
-            batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
-                                      horizon_seconds=self._settings.retry_horizon_seconds,
-                                      daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
-                                      done_ids=self._unrecorded())
+        with tracing.span("outboxd.claim", {"outboxd.limit": limit}):
+            async with self._connection() as conn:
+                batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
+                                          horizon_seconds=self._settings.retry_horizon_seconds,
+                                          daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
+                                          done_ids=self._unrecorded())
         self._metrics.claim_batch.observe(len(batch))
         for message in batch:
             held[message.origin or ""] = held.get(message.origin or "", 0) + 1

@@ -29,7 +29,7 @@ from outbox.store import Claimed, Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
-from supervisor import challenge, health_stats
+from supervisor import challenge, health_stats, tracing
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
 from supervisor.classify import RetryPolicy
@@ -244,6 +244,10 @@ class Completer:
         return self._engine.begin()
 
     async def flush(self, batch: Sequence[Outcome]) -> None:
+        with tracing.span("outboxd.flush", {"outboxd.outcomes": len(batch)}):
+            await self._record(batch)
+
+    async def _record(self, batch: Sequence[Outcome]) -> None:
         async with self._transaction(batch) as conn:
             now = await store.db_now(conn)
             plans = [self._plan(outcome, now) for outcome in batch]
@@ -302,6 +306,7 @@ class Completer:
             next_retry_at=next_at if state == "pending" else None, payload_size_bytes=len(m.body),
             sequence_number=m.sequence_number, idempotency_key=m.idempotency_key,
             notification_type=m.notification_type, trigger=m.trigger, daemon_id=self._daemon_id, occurred_at=now,
+            trace_id=o.trace[0] if o.trace else None, span_id=o.trace[1] if o.trace else None,
         )
         return completion, record
 

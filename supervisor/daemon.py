@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -29,7 +29,9 @@ from outbox.migrate import SchemaCheck, check_schema
 from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
-from supervisor.attempt import attempt
+from outbox.store import Claimed
+from supervisor import tracing
+from supervisor.attempt import Outcome, attempt
 from supervisor.claimer import Claimer
 from supervisor.clock import DatabaseClock
 from supervisor.completer import Completer
@@ -94,15 +96,24 @@ class Daemon:
                                    fanout=self.fanout, outage=self.outage,
                                    on_recorded=lambda failures, tripped: self.claimer.recorded(failures, tripped))
         self.clock = DatabaseClock()
+        self.tracing = tracing.configure()
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
-                               attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender,
-                                                         clock=self.clock),
+                               attempt=self._attempt(),
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog,
                                unrecorded=lambda: self.completer.unrecorded_ids)
         self.health = HealthServer(self.metrics, lambda: _schema_problem(self.engine), self.keys.documents())
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
         self.metrics_address: tuple[str, int] | None = None
+
+    def _attempt(self) -> Callable[[Claimed], Awaitable[Outcome]]:
+        """One attempt of a claimed message; inside its span when tracing is on (supervisor/tracing.py)."""
+        settings = self.settings
+
+        def run(m: Claimed) -> Awaitable[Outcome]:  # the coroutine itself: no extra frame when tracing is off
+            return attempt(m, settings=settings, keys=self.keys, sender=self.sender, clock=self.clock)
+
+        return run if self.tracing is None else self.tracing.traced(run)
 
     async def wait_for_schema(self, stop: asyncio.Event) -> bool:
         """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
@@ -165,6 +176,7 @@ class Daemon:
         # in flight waited out).
         gc.collect()
         gc.freeze()
+        tracing.install(self.tracing)
         self.fanout.start()
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
@@ -212,6 +224,9 @@ class Daemon:
             await self.claimer.aclose()
             await self.completer.aclose()
             await self.engine.dispose()
+            tracing.install(None)
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)  # export the last spans
         if failure is not None:
             raise failure  # DatabaseUnavailable, or a bug: exit non-zero so the supervisor restarts us
         self.log.info("daemon.stopped")

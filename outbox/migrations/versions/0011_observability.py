@@ -1,10 +1,11 @@
-"""Endpoint health: a per-minute rollup of attempts, outcomes and latency per endpoint.
+"""Endpoint health (a per-minute rollup per endpoint) and trace context (docs/observability.md).
 
 The completer adds each flush's counts to its own row of the minute (one row per endpoint,
 minute and daemon, so replicas never wait on each other's rows), in the flush's
 transaction; ``outboxd endpoints`` sums the rows of a window. Reading health then costs
-the window's rows, never the attempt history (docs/observability.md). Additive: an older
-daemon simply writes no rollup.
+the window's rows, never the attempt history. A message keeps the W3C ``traceparent`` of
+the enqueue; an attempt row keeps the ids of its span. Additive: an older daemon writes no
+rollup and no span ids, and an older producer no trace context.
 
 Revision ID: 0011_observability
 Revises: 0007_attempt_partitions
@@ -40,8 +41,14 @@ def upgrade() -> None:
           for i in range(len(LATENCY_BOUNDS_MS) + 1)),
         sa.PrimaryKeyConstraint("minute", "tenant_id", "origin", "daemon_id", name="outbox_endpoint_stats_pkey"),
     )
+    op.add_column("outbox_messages", sa.Column("traceparent", sa.Text(), nullable=True))
+    op.add_column("outbox_attempts", sa.Column("trace_id", sa.Text(), nullable=True))
+    op.add_column("outbox_attempts", sa.Column("span_id", sa.Text(), nullable=True))
     record_min_reader(revision, down_revision)
 
 
 def downgrade() -> None:
+    op.drop_column("outbox_attempts", "span_id")
+    op.drop_column("outbox_attempts", "trace_id")
+    op.drop_column("outbox_messages", "traceparent")
     op.drop_table("outbox_endpoint_stats")
