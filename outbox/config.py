@@ -95,6 +95,7 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "sink_timeout_seconds": _seconds(),
     "proof_max_attempts": Bounds(1, MAX_COUNT),
     "endpoint_metrics_top": Bounds(0, 1000),
+    "operator_events_window_seconds": _seconds(),
     # At least the 30 days AdCP requires of webhook_activity[] history (docs/subscribers.md).
     "activity_retention_days": Bounds(MIN_ACTIVITY_RETENTION_DAYS, 36_500, why=" (AdCP webhook_activity retention)"),
 }
@@ -141,6 +142,13 @@ class Settings:
     # Per-endpoint health series on /metrics for the N busiest endpoints (0: none); bounded
     # cardinality, since tenant and origin become labels (docs/observability.md).
     endpoint_metrics_top: int = 0
+    # Operator events (docs/observability.md): delivered through the outbox to this URL (as
+    # tenant "outboxd-operator", signed, retried, behind its own breaker), as plain JSON or
+    # Slack incoming-webhook JSON, and handed to these callables (dotted paths).
+    operator_events_url: str | None = None
+    operator_events_format: str = "json"
+    operator_event_sinks: tuple[str, ...] = ()
+    operator_events_window_seconds: float = 300.0  # aggregation window of dead and expired messages
     # HTTPS trust (supervisor/tls.py): a private CA file or directory, else certifi | system
     tls_ca_file: str | None = None
     tls_ca_dir: str | None = None
@@ -177,6 +185,8 @@ class Settings:
                 raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
         if self.tls_trust not in ("certifi", "system"):
             raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
+        if self.operator_events_format not in ("json", "slack"):
+            raise ConfigurationError("OUTBOX_OPERATOR_EVENTS_FORMAT must be json or slack")
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
         if self.revocation_issuer is not None and not _is_origin(self.revocation_issuer):
@@ -266,7 +276,7 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         return _parse_encryption_key(raw)
     if name == "encryption_old_keys":
         return _parse_old_keys(raw)
-    if name == "sinks":
+    if name in ("sinks", "operator_event_sinks"):
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         return tuple(s.strip() for s in items if str(s).strip())
     if name == "tenant_signing_keys":

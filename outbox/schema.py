@@ -317,6 +317,28 @@ endpoint_stats = Table(
     PrimaryKeyConstraint("minute", "tenant_id", "origin", "daemon_id", name="outbox_endpoint_stats_pkey"),
 )
 
+# Operator events (supervisor/events.py): one row per state change, its unique key chosen so
+# replicas noticing the same change insert one row; aggregated kinds count up until due_at.
+operator_events = Table(
+    "outbox_operator_events",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("kind", Text, nullable=False),
+    Column("dedup_key", Text, nullable=False),
+    Column("tenant_id", Text),
+    Column("origin", Text),
+    Column("detail", Text, nullable=False, server_default="{}"),  # JSON object
+    Column("count", Integer, nullable=False, server_default="1"),
+    Column("first_at", _Epoch, nullable=False),
+    Column("last_at", _Epoch, nullable=False),
+    Column("due_at", _Epoch, nullable=False),  # published from then on (the end of an aggregation window)
+    Column("published_at", _Epoch),
+    Column("message_id", BigInteger),  # its delivery to the operator URL
+    Index("outbox_operator_events_dedup_key", "dedup_key", unique=True),
+    Index("outbox_operator_events_due_idx", "due_at", postgresql_where=text("published_at IS NULL"),
+          sqlite_where=text("published_at IS NULL")),
+)
+
 # One row per migration (from 0006 on): the oldest code revision that can still run on a
 # database at that revision. Lets a daemon one release behind keep delivering during a
 # rolling upgrade (outbox.migrate.check_schema; docs/architecture.md, "Rolling upgrades").

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import store
 from outbox.config import Settings
 from outbox.store import Claimed
-from supervisor import tracing
+from supervisor import events, tracing
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitState
 from supervisor.dispatch import Dispatcher
@@ -183,8 +183,12 @@ class Claimer:
         if message.breaker_state in (None, CircuitState.CLOSED.value):
             return True
         async with self._connection() as conn:
-            return await store.acquire_probe(conn, message.tenant_id, message.origin or "",
-                                             self._settings.lease_seconds)
+            won = await store.acquire_probe(conn, message.tenant_id, message.origin or "",
+                                            self._settings.lease_seconds)
+            if won:
+                await events.probe_taken(conn, message.tenant_id, message.origin or "", message.breaker_open_until,
+                                         await store.db_now(conn))
+            return won
 
     def _release(self, message: Claimed) -> None:
         """Hand a leased message back untouched: no attempt made, none counted, due at once."""

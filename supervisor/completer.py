@@ -29,7 +29,7 @@ from outbox.store import Claimed, Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
-from supervisor import challenge, health_stats, tracing
+from supervisor import challenge, events, health_stats, tracing
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
 from supervisor.classify import RetryPolicy
@@ -261,6 +261,9 @@ class Completer:
                                        o.outcome == "success", o.response_time_ms, completion.state == "dead")
                  for o, (completion, record) in zip(batch, plans) if o.message.origin and o.message.id in applied),
                 now=now, daemon_id=self._daemon_id))
+            await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason) for o, (c, _)
+                                               in zip(batch, plans) if c.state == "dead" and o.message.id in applied],
+                                        now=now, window=self._settings.operator_events_window_seconds)
         self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded([o.message for o in batch if o.action == "retry"],
                           [key for key, _, after in transitions if after == "open"])
@@ -346,6 +349,7 @@ class Completer:
                                   to_state=after, open_until=new["open_until"], trips=new["trips"])
         await store.save_breakers(conn, changed)
         await store.insert_transitions(conn, logged)
+        await events.breakers_moved(conn, logged)
         return transitions
 
     def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],

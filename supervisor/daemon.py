@@ -30,10 +30,10 @@ from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
 from outbox.store import Claimed
-from supervisor import tracing
+from supervisor import events, tracing
 from supervisor.attempt import Outcome, attempt
 from supervisor.claimer import Claimer
-from supervisor.clock import DatabaseClock
+from supervisor.clock import ClockOffsetError, DatabaseClock
 from supervisor.completer import Completer
 from supervisor.health import HealthServer
 from supervisor.keyring import CHANNEL as KEYRING_CHANNEL
@@ -97,6 +97,7 @@ class Daemon:
                                    on_recorded=lambda failures, tripped: self.claimer.recorded(failures, tripped))
         self.clock = DatabaseClock()
         self.tracing = tracing.configure()
+        self.event_sinks = events.load_sinks(settings.operator_event_sinks)
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=self._attempt(),
                                submit=self.completer.submit, outage=self.outage,
@@ -114,6 +115,28 @@ class Daemon:
             return attempt(m, settings=settings, keys=self.keys, sender=self.sender, clock=self.clock)
 
         return run if self.tracing is None else self.tracing.traced(run)
+
+    async def _measure_clock(self) -> None:
+        try:
+            await self.clock.measure(self.engine)
+        except ClockOffsetError as exc:
+            await self._clock_skewed(exc)
+            raise
+
+    async def _watch_clock(self) -> None:
+        try:
+            await self.clock.watch(self.engine, self.outage)
+        except ClockOffsetError as exc:
+            await self._clock_skewed(exc)
+            raise
+
+    async def _clock_skewed(self, exc: ClockOffsetError) -> None:
+        """Tell the operators (best effort: the daemon stops either way)."""
+        try:
+            await events.clock_skewed(self.engine, str(exc))
+            await events.publish_due(self.engine, self.settings, self.event_sinks, self.settings.sink_timeout_seconds)
+        except Exception as failure:
+            self.log.error("operator_event.unrecorded", kind="clock.skew", error=type(failure).__name__)
 
     async def wait_for_schema(self, stop: asyncio.Event) -> bool:
         """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
@@ -160,7 +183,7 @@ class Daemon:
         ready = False
         try:
             if await self.wait_for_schema(stop):
-                await self.clock.measure(self.engine)  # ClockOffsetError: never sign with a clock receivers reject
+                await self._measure_clock()  # ClockOffsetError: never sign with a clock receivers reject
                 await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
                 ready = True
         finally:
@@ -182,10 +205,10 @@ class Daemon:
             asyncio.create_task(self.completer.run(), name="completer"),
             asyncio.create_task(self.keys.run(self.engine), name="keyring"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
-                                            outage=self.outage,
-                                            horizon_seconds=self.settings.retry_horizon_seconds).run(),
+                                            outage=self.outage, horizon_seconds=self.settings.retry_horizon_seconds,
+                                            settings=self.settings, event_sinks=self.event_sinks).run(),
                                 name="maintenance"),
-            asyncio.create_task(self.clock.watch(self.engine, self.outage), name="clock"),
+            asyncio.create_task(self._watch_clock(), name="clock"),
         ]
         keys = self.settings.sealing()
         if keys is not None:

@@ -1,6 +1,6 @@
 """Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
 sample the gauges that need a query, prune endpoint health past its retention
-(:mod:`supervisor.health_stats`), and (PostgreSQL) keep the attempt partitions of the
+(:mod:`supervisor.health_stats`), publish operator events (:mod:`supervisor.events`), and (PostgreSQL) keep the attempt partitions of the
 coming days ready (:mod:`outbox.partitions`).
 
 Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
@@ -12,17 +12,19 @@ process, never per scrape, so scrapes put no load on the database.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import structlog
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
+from outbox.config import Settings
 from outbox.partitions import ensure_attempt_partitions
 from outbox.schema import breakers
 from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
-from supervisor import challenge, health_stats
+from supervisor import challenge, events, health_stats
 from supervisor.metrics import ENDPOINT_WINDOW_SECONDS, Metrics
 from supervisor.outage import OutageGuard
 
@@ -69,8 +71,11 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
 
 class Maintenance:
     def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard,
-                 horizon_seconds: int) -> None:
+                 horizon_seconds: int, settings: Settings | None = None, event_sinks: Sequence[events.Sink] = ()
+                 ) -> None:
         self._engine = engine
+        self._settings = settings or Settings()  # the operator events' destination and window
+        self._event_sinks = event_sinks
         self._horizon = horizon_seconds
         self._daemon_id = daemon_id
         self._metrics = metrics
@@ -93,6 +98,9 @@ class Maintenance:
                         await health_stats.record(conn, health_stats.tally(
                             (health_stats.Recorded(r.tenant_id, r.origin, False, False, None, True)
                              for r in expired if r.origin), now=await store.db_now(conn), daemon_id=self._daemon_id))
+                        await events.messages_ended(conn, [(r.tenant_id, r.origin, "expired") for r in expired],
+                                                    now=await store.db_now(conn),
+                                                    window=self._settings.operator_events_window_seconds)
                     for row in expired:
                         self._metrics.count_dead("expired", row.tenant_id)
                     if expired:
@@ -102,10 +110,13 @@ class Maintenance:
                 if ticks % int(PRUNE_INTERVAL / RESCUE_INTERVAL) == 0:
                     async with self._engine.begin() as conn:
                         await health_stats.prune(conn)
+                        await events.keys_leaving(conn, await store.db_now(conn))
                 if ticks % int(PARTITION_INTERVAL / RESCUE_INTERVAL) == 0 and self._partitioned:
                     created = await ensure_attempt_partitions(self._engine)
                     if created:
                         self._log.info("attempt_partitions.created", count=created)
+                await events.publish_due(self._engine, self._settings, self._event_sinks,
+                                         self._settings.sink_timeout_seconds)
                 self._outage.ok()
             except Exception as exc:
                 await self._outage.failed("maintenance", exc)

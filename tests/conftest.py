@@ -49,13 +49,13 @@ def _truncate(engine: Engine) -> None:
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(
                 "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions, "
-                "outbox_signing_keys, outbox_subscribers, outbox_endpoint_stats"
+                "outbox_signing_keys, outbox_subscribers, outbox_endpoint_stats, outbox_operator_events"
                 " RESTART IDENTITY"
             )
         else:
             for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
                           "outbox_breaker_transitions", "outbox_signing_keys", "outbox_subscribers",
-                          "outbox_endpoint_stats"):
+                          "outbox_endpoint_stats", "outbox_operator_events"):
                 conn.exec_driver_sql(f"DELETE FROM {table}")
 
 

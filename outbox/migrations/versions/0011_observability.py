@@ -1,11 +1,14 @@
-"""Endpoint health (a per-minute rollup per endpoint) and trace context (docs/observability.md).
+"""Endpoint health (a per-minute rollup per endpoint), trace context, operator events
+(docs/observability.md).
 
 The completer adds each flush's counts to its own row of the minute (one row per endpoint,
 minute and daemon, so replicas never wait on each other's rows), in the flush's
 transaction; ``outboxd endpoints`` sums the rows of a window. Reading health then costs
 the window's rows, never the attempt history. A message keeps the W3C ``traceparent`` of
 the enqueue; an attempt row keeps the ids of its span. Additive: an older daemon writes no
-rollup and no span ids, and an older producer no trace context.
+rollup and no span ids, and an older producer no trace context. An operator event is a
+row whose unique key says which state change it is, so of several replicas noticing the
+same change one inserts it.
 
 Revision ID: 0011_observability
 Revises: 0007_attempt_partitions
@@ -41,6 +44,24 @@ def upgrade() -> None:
           for i in range(len(LATENCY_BOUNDS_MS) + 1)),
         sa.PrimaryKeyConstraint("minute", "tenant_id", "origin", "daemon_id", name="outbox_endpoint_stats_pkey"),
     )
+    op.create_table(
+        "outbox_operator_events",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column("kind", sa.Text(), nullable=False),
+        sa.Column("dedup_key", sa.Text(), nullable=False),
+        sa.Column("tenant_id", sa.Text()),
+        sa.Column("origin", sa.Text()),
+        sa.Column("detail", sa.Text(), nullable=False, server_default="{}"),
+        sa.Column("count", sa.Integer(), nullable=False, server_default="1"),
+        sa.Column("first_at", sa.Float(53), nullable=False),
+        sa.Column("last_at", sa.Float(53), nullable=False),
+        sa.Column("due_at", sa.Float(53), nullable=False),
+        sa.Column("published_at", sa.Float(53)),
+        sa.Column("message_id", sa.BigInteger()),
+    )
+    op.create_index("outbox_operator_events_dedup_key", "outbox_operator_events", ["dedup_key"], unique=True)
+    op.create_index("outbox_operator_events_due_idx", "outbox_operator_events", ["due_at"],
+                    postgresql_where=sa.text("published_at IS NULL"), sqlite_where=sa.text("published_at IS NULL"))
     op.add_column("outbox_messages", sa.Column("traceparent", sa.Text(), nullable=True))
     op.add_column("outbox_attempts", sa.Column("trace_id", sa.Text(), nullable=True))
     op.add_column("outbox_attempts", sa.Column("span_id", sa.Text(), nullable=True))
@@ -51,4 +72,5 @@ def downgrade() -> None:
     op.drop_column("outbox_attempts", "span_id")
     op.drop_column("outbox_attempts", "trace_id")
     op.drop_column("outbox_messages", "traceparent")
+    op.drop_table("outbox_operator_events")
     op.drop_table("outbox_endpoint_stats")
