@@ -131,3 +131,30 @@ def test_a_dead_endpoint_raises_one_breaker_opened_per_trip_across_two_daemons(p
     assert all(a["status"] == 200 for a in arrivals)  # signed: the receiver verified every signature
     body = json.loads(arrivals[0]["body"])
     assert (body["tenant_id"], body["origin"]) == ("sick", f"http://127.0.0.1:{port}")
+
+
+async def test_a_key_leaving_the_jwks_and_a_skewed_clock_are_each_told_once(engine):
+    from outbox.schema import signing_keys
+
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    RECEIVED.clear()
+    try:
+        async with async_engine.begin() as conn:
+            now = await db_now(conn)
+            for kid, unpublish in (("leaving-soon", now + 3600), ("leaving-later", now + 3 * 86400),
+                                   ("gone-already", now - 60)):
+                await conn.execute(signing_keys.insert().values(
+                    kid=kid, scope="", alg="ed25519", key_file="/k.pem", public_jwk="{}", published_at=now - 86400,
+                    unpublish_at=unpublish))
+        for _ in range(2):  # two maintenance passes (or replicas)
+            async with async_engine.begin() as conn:
+                await events.keys_leaving(conn, await db_now(conn))
+            await events.clock_skewed(async_engine, "the host clock is 90.0 s behind the database clock")
+        await events.publish_due(async_engine, _settings(), events.load_sinks(["tests.test_operator_events:remember"]))
+    finally:
+        await async_engine.dispose()
+    assert sorted(e["event"] for e in RECEIVED) == ["clock.skew", "key.unpublishing"]
+    leaving = next(e for e in RECEIVED if e["event"] == "key.unpublishing")
+    assert leaving["detail"]["kid"] == "leaving-soon" and leaving["detail"]["unpublish_at"].endswith("Z")
+    skew = next(e for e in RECEIVED if e["event"] == "clock.skew")
+    assert skew["count"] == 2 and "90.0 s" in skew["detail"]["problem"]
