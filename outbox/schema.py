@@ -339,6 +339,43 @@ operator_events = Table(
           sqlite_where=text("published_at IS NULL")),
 )
 
+JOB_STATES = ("running", "paused", "cancelled", "done")
+
+# Recovery jobs (supervisor/jobs.py): a replay the daemons run in the background, in chunks,
+# each committed with the job's progress; a crash resumes from the last chunk.
+jobs = Table(
+    "outbox_jobs",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("kind", Text, nullable=False),  # replay
+    Column("state", Text, nullable=False),
+    Column("tenant_id", Text, nullable=False),
+    Column("origin", Text),
+    Column("reason", Text),  # dead reason; NULL: any
+    Column("since", _Epoch, nullable=False),  # messages ended dead from then ...
+    Column("until", _Epoch, nullable=False),  # ... until the job was made
+    Column("force", Boolean, nullable=False),
+    Column("rate", Float(53), nullable=False),  # messages per second at most
+    Column("total", Integer, nullable=False),  # the dry-run count when the job was made
+    Column("done", Integer, nullable=False, server_default="0"),
+    Column("skipped", Integer, nullable=False, server_default="0"),  # matched but not replayable (horizon, proof)
+    Column("cursor", BigInteger, nullable=False, server_default="0"),  # every message id up to it is handled
+    Column("leased_by", Text),
+    Column("lease_until", _Epoch),
+    Column("created_at", _Epoch, nullable=False),
+    Column("updated_at", _Epoch, nullable=False),
+    _enum_check("state", JOB_STATES, "outbox_jobs_state_check"),
+)
+
+# What each job replayed: the primary key makes "at most once per job" the database's rule.
+job_items = Table(
+    "outbox_job_items",
+    metadata,
+    Column("job_id", BigInteger, nullable=False),
+    Column("message_id", BigInteger, nullable=False),
+    PrimaryKeyConstraint("job_id", "message_id", name="outbox_job_items_pkey"),
+)
+
 # One row per migration (from 0006 on): the oldest code revision that can still run on a
 # database at that revision. Lets a daemon one release behind keep delivering during a
 # rolling upgrade (outbox.migrate.check_schema; docs/architecture.md, "Rolling upgrades").

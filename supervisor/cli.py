@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "supervisor.cli_encryption",
     "supervisor.cli_subscribers",
     "supervisor.cli_endpoints",
+    "supervisor.cli_recover",
 )
 
 

@@ -36,6 +36,7 @@ from supervisor.claimer import Claimer
 from supervisor.clock import ClockOffsetError, DatabaseClock
 from supervisor.completer import Completer
 from supervisor.health import HealthServer
+from supervisor.jobs import JobRunner
 from supervisor.keyring import CHANNEL as KEYRING_CHANNEL
 from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
@@ -209,6 +210,8 @@ class Daemon:
                                             settings=self.settings, event_sinks=self.event_sinks).run(),
                                 name="maintenance"),
             asyncio.create_task(self._watch_clock(), name="clock"),
+            asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
+                                          horizon_seconds=self.settings.retry_horizon_seconds).run(), name="jobs"),
         ]
         keys = self.settings.sealing()
         if keys is not None:
