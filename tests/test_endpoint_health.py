@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 
 import outbox
 from outbox.db import make_async_engine
-from outbox.schema import LATENCY_BOUNDS_MS, attempts, endpoint_stats, messages
+from outbox.schema import LATENCY_BOUNDS_MS, attempts, endpoint_stats, messages, operator_events
 from supervisor import health_stats
 from supervisor.health_stats import Recorded, bucket_of, endpoint_health, quantile, tally
 from supervisor.maintenance import sample_gauges
@@ -163,5 +163,9 @@ def test_endpoints_shows_what_the_attempt_log_holds(pg_engine, pg_url, tmp_path,
     text = _outboxd(env, "endpoints", "--tenant", "sick")
     assert text.returncode == 0 and f"sick@{origin}" in text.stdout and "open" in text.stdout
     assert "well@" not in text.stdout
+    with pg_engine.connect() as conn:  # the deaths also raised one operator event (recorded in the same flushes)
+        dead_events = conn.execute(select(operator_events.c.count).where(
+            operator_events.c.kind == "messages.dead", operator_events.c.tenant_id == "gone")).scalars().all()
+    assert sum(dead_events) == 5  # one event per window (two if the deaths straddle a window edge)
     bad = _outboxd(env, "endpoints", "--window", "3d")
     assert bad.returncode == 1 and "--window" in bad.stderr
