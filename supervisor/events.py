@@ -37,6 +37,7 @@ from outbox import aio as producer
 from outbox import store
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
+from outbox.schema import db_now as db_clock
 from outbox.schema import operator_events, signing_keys
 from outbox.urls import endpoint_origin
 from sinks.fanout import resolve
@@ -187,6 +188,10 @@ async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[S
     """Publish due events: enqueue each to the operator URL and mark it, in one transaction;
     then call the sinks. Replicas take disjoint rows (SKIP LOCKED); each row is published once."""
     e = operator_events.c
+    async with engine.connect() as conn:  # a read first: no write transaction (SQLite: lock) when idle
+        if (await conn.execute(select(e.id).where(e.published_at.is_(None), e.due_at <= db_clock()).limit(1))
+                ).first() is None:
+            return 0
     async with engine.begin() as conn:
         now = await store.db_now(conn)
         due = select(operator_events).where(e.published_at.is_(None), e.due_at <= now).order_by(e.id) \

@@ -143,6 +143,9 @@ class JobRunner:
     async def _take(self) -> tuple[int, float] | None:
         """Lease the oldest running job that is free (or already ours): its id and rate."""
         free = "state = 'running' AND (leased_by IS NULL OR leased_by = :me OR lease_until < {now})"
+        async with self._engine.connect() as conn:  # a read first: no write transaction (SQLite: lock) when idle
+            if (await conn.execute(select(jobs.c.id).where(jobs.c.state == "running").limit(1))).first() is None:
+                return None
         async with self._engine.begin() as conn:
             now = PG_NOW if conn.dialect.name == "postgresql" else SQLITE_NOW
             # The conditions are repeated outside the subquery: a replica that waited on the

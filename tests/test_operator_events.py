@@ -42,15 +42,17 @@ async def test_one_event_per_change_counted_per_window_and_published_once(engine
     first, second = make_async_engine(url), make_async_engine(url)
     RECEIVED.clear()
     try:
+        async with first.connect() as conn:
+            now = await db_now(conn)  # one time for both replicas: their deaths fall in the same window
         for replica in (first, second):
             async with replica.begin() as conn:
-                now = await db_now(conn)
                 trip = {"tenant_id": "acme", "origin": "https://b.example", "from_state": "closed",
                         "to_state": "open", "open_until": now + 30, "window_attempts": 10, "window_failures": 10,
                         "occurred_at": 1000.0}
                 await events.breakers_moved(conn, [trip, {**trip, "tenant_id": events.OPERATOR_TENANT}])
+                # a window that ends well after the test: not due; one that ended: due
                 await events.messages_ended(conn, [("acme", "https://b.example", "gone")] * 2
-                                            + [("acme", "https://b.example", "expired")], now=now, window=300)
+                                            + [("acme", "https://b.example", "expired")], now=now + 600, window=300)
                 await events.messages_ended(conn, [("acme", "https://b.example", "gone")], now=now - 900, window=300)
         sinks = events.load_sinks(["tests.test_operator_events:remember", "tests.test_operator_events:broken"])
         published = await asyncio.gather(events.publish_due(first, _settings(), sinks),
