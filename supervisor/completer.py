@@ -256,14 +256,7 @@ class Completer:
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
             await self._settle_proofs(conn, plans, applied)
-            await health_stats.record(conn, health_stats.tally(
-                (health_stats.Recorded(o.message.tenant_id, o.message.origin, record is not None,
-                                       o.outcome == "success", o.response_time_ms, completion.state == "dead")
-                 for o, (completion, record) in zip(batch, plans) if o.message.origin and o.message.id in applied),
-                now=now, daemon_id=self._daemon_id))
-            await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason) for o, (c, _)
-                                               in zip(batch, plans) if c.state == "dead" and o.message.id in applied],
-                                        now=now, window=self._settings.operator_events_window_seconds)
+            await self._observe(conn, batch, plans, applied, now)
         self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded([o.message for o in batch if o.action == "retry"],
                           [key for key, _, after in transitions if after == "open"])
@@ -277,6 +270,19 @@ class Completer:
         if ended:
             await challenge.settle(conn, [c.message_id for c, _ in ended if c.state == "delivered"],
                                    [c.message_id for c, _ in ended if c.state == "dead"])
+
+    async def _observe(self, conn, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
+                       applied: set[int], now: float) -> None:
+        """Endpoint health and operator events of the batch (same transaction): one rollup
+        upsert per flush, and events only for messages that ended dead (docs/observability.md)."""
+        recorded = [(o, c, r) for o, (c, r) in zip(batch, plans) if o.message.id in applied]
+        await health_stats.record(conn, health_stats.tally(
+            (health_stats.Recorded(o.message.tenant_id, o.message.origin, r is not None, o.outcome == "success",
+                                   o.response_time_ms, c.state == "dead") for o, c, r in recorded if o.message.origin),
+            now=now, daemon_id=self._daemon_id))
+        await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason)
+                                           for o, c, _ in recorded if c.state == "dead"],
+                                    now=now, window=self._settings.operator_events_window_seconds)
 
     def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
         """The message's new state, and its attempt record (``None``: no attempt was made)."""

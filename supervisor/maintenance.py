@@ -1,7 +1,7 @@
 """Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
 sample the gauges that need a query, prune endpoint health past its retention
-(:mod:`supervisor.health_stats`), publish operator events (:mod:`supervisor.events`), and (PostgreSQL) keep the attempt partitions of the
-coming days ready (:mod:`outbox.partitions`).
+(:mod:`supervisor.health_stats`), publish operator events (:mod:`supervisor.events`), and
+(PostgreSQL) keep the attempt partitions of the coming days ready (:mod:`outbox.partitions`).
 
 Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
 cut short by a crash (after which the receiver may or may not have seen the request) is

@@ -102,7 +102,9 @@ def _exporter(env: Mapping[str, str]) -> Any:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         elif protocol == "http/protobuf":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
+                OTLPSpanExporter,
+            )
         else:
             raise ConfigurationError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be http/protobuf or grpc, got {protocol!r}")
     except ImportError:

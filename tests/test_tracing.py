@@ -169,7 +169,8 @@ settings = outbox.load_settings(env={{"OUTBOX_DATABASE_URL": {pg_url!r}, "OUTBOX
                                       "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"}})
 engine = make_engine({pg_url!r})
 with engine.begin() as conn:
-    outbox.enqueue(conn, tenant_id="t", url="http://127.0.0.1:9/x", payload={{"task_id": "x"}}, idempotency_key="k-off-0123456789",
+    outbox.enqueue(conn, tenant_id="t", url="http://127.0.0.1:9/x", payload={{"task_id": "x"}},
+                   idempotency_key="k-off-0123456789",
                    settings=settings)
 assert tracing.configure({{}}) is None
 daemon = Daemon(settings)
