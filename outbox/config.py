@@ -187,6 +187,15 @@ class Settings:
             raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
         if self.operator_events_format not in ("json", "slack"):
             raise ConfigurationError("OUTBOX_OPERATOR_EVENTS_FORMAT must be json or slack")
+        if self.operator_events_url is not None:  # checked now, not at the first event
+            from outbox.errors import OutboxValidationError
+            from outbox.urls import validate_destination
+
+            try:
+                validate_destination(self.operator_events_url, allow_http=self.allow_http,
+                                     allowed_cidrs=self.allowed_cidrs)
+            except OutboxValidationError as exc:
+                raise ConfigurationError(f"OUTBOX_OPERATOR_EVENTS_URL {exc.problem}") from None
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
         if self.revocation_issuer is not None and not _is_origin(self.revocation_issuer):

@@ -160,3 +160,13 @@ async def test_a_key_leaving_the_jwks_and_a_skewed_clock_are_each_told_once(engi
     assert leaving["detail"]["kid"] == "leaving-soon" and leaving["detail"]["unpublish_at"].endswith("Z")
     skew = next(e for e in RECEIVED if e["event"] == "clock.skew")
     assert skew["count"] == 2 and "90.0 s" in skew["detail"]["problem"]
+
+
+@pytest.mark.parametrize("url, problem", [("ftp://ops.example/x", "absolute https"),
+                                          ("https://user:pw@ops.example/x", "userinfo"),
+                                          ("https://10.0.0.5/x", "private")])
+def test_an_operator_url_the_outbox_would_refuse_stops_the_start(url, problem):
+    from outbox.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=f"OUTBOX_OPERATOR_EVENTS_URL .*{problem}"):
+        outbox.load_settings(env={"OUTBOX_OPERATOR_EVENTS_URL": url})
