@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
@@ -15,6 +14,7 @@ from sqlalchemy import func, select
 import outbox
 from outbox.db import make_async_engine
 from outbox.schema import LATENCY_BOUNDS_MS, attempts, endpoint_stats, messages, operator_events
+from outbox.store import db_now
 from supervisor import health_stats
 from supervisor.health_stats import Recorded, bucket_of, endpoint_health, quantile, tally
 from supervisor.maintenance import sample_gauges
@@ -49,8 +49,6 @@ async def test_rows_add_up_per_minute_and_daemon_and_the_window_sums_them(engine
     async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
     try:
         async with async_engine.begin() as conn:
-            from outbox.store import db_now
-
             now = await db_now(conn)
             a, b = ("acme", "https://a.example"), ("acme", "https://b.example")
             for daemon in ("d1", "d2"):
@@ -85,8 +83,6 @@ async def test_the_prometheus_series_are_off_by_default_and_at_most_the_top_n(pg
     async_engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
     try:
         async with async_engine.begin() as conn:
-            from outbox.store import db_now
-
             now = await db_now(conn)
             await health_stats.record(conn, tally(
                 [r for i in range(5) for r in _recorded(f"t{i}", "https://x.example", i + 1, ok=True, ms=30)],
