@@ -97,6 +97,8 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "key_cache_window_seconds": _seconds(zero=True),
     "sink_timeout_seconds": _seconds(),
     "proof_max_attempts": Bounds(1, MAX_COUNT),
+    "endpoint_metrics_top": Bounds(0, 1000),
+    "operator_events_window_seconds": _seconds(),
     # At least the 30 days AdCP requires of webhook_activity[] history (docs/subscribers.md).
     "activity_retention_days": Bounds(MIN_ACTIVITY_RETENTION_DAYS, 36_500, why=" (AdCP webhook_activity retention)"),
 }
@@ -146,6 +148,16 @@ class Settings:
     sinks: tuple[str, ...] = ()
     sink_timeout_seconds: float = 5.0
     per_tenant_metrics: bool = False
+    # Per-endpoint health series on /metrics for the N busiest endpoints (0: none); bounded
+    # cardinality, since tenant and origin become labels (docs/observability.md).
+    endpoint_metrics_top: int = 0
+    # Operator events (docs/observability.md): delivered through the outbox to this URL (as
+    # tenant "outboxd-operator", signed, retried, behind its own breaker), as plain JSON or
+    # Slack incoming-webhook JSON, and handed to these callables (dotted paths).
+    operator_events_url: str | None = None
+    operator_events_format: str = "json"
+    operator_event_sinks: tuple[str, ...] = ()
+    operator_events_window_seconds: float = 300.0  # aggregation window of dead and expired messages
     # HTTPS trust (supervisor/tls.py): a private CA file or directory, else certifi | system
     tls_ca_file: str | None = None
     tls_ca_dir: str | None = None
@@ -187,6 +199,17 @@ class Settings:
                                      "for LISTEN)")
         if self.tls_trust not in ("certifi", "system"):
             raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
+        if self.operator_events_format not in ("json", "slack"):
+            raise ConfigurationError("OUTBOX_OPERATOR_EVENTS_FORMAT must be json or slack")
+        if self.operator_events_url is not None:  # checked now, not at the first event
+            from outbox.errors import OutboxValidationError
+            from outbox.urls import validate_destination
+
+            try:
+                validate_destination(self.operator_events_url, allow_http=self.allow_http,
+                                     allowed_cidrs=self.allowed_cidrs)
+            except OutboxValidationError as exc:
+                raise ConfigurationError(f"OUTBOX_OPERATOR_EVENTS_URL {exc.problem}") from None
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
         if self.revocation_issuer is not None and not _is_origin(self.revocation_issuer):
@@ -290,7 +313,7 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         return _parse_old_keys(raw)
     if name == "database_url":
         return normalize_database_url(str(raw))
-    if name == "sinks":
+    if name in ("sinks", "operator_event_sinks"):
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         return tuple(s.strip() for s in items if str(s).strip())
     if name == "tenant_signing_keys":

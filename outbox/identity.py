@@ -121,7 +121,7 @@ def binding_digest(row: Mapping[str, Any], keys: SealingKeys | None = None) -> b
     return None if material is None else digest_under(material, row.get("body_key_id"), keys)
 
 
-_OPTIONAL = ("binding_digest", "body_key_id")  # columns added by 0002 and 0008
+_OPTIONAL = ("binding_digest", "body_key_id", "traceparent")  # columns added by 0002, 0008 and 0011
 _PRESENT: WeakKeyDictionary[Engine, frozenset[str]] = WeakKeyDictionary()
 
 
@@ -199,8 +199,10 @@ def stored_values(connection: Connection, row: Mapping[str, Any], keys: SealingK
     when a key is set and the schema has ``body_key_id`` (a credential is always sealed:
     enqueue refuses one without a key).
     """
-    values = {k: v for k, v in row.items() if k not in ("credentials", "material")}
     present = _present_columns(connection)
+    # Trace context is dropped on a schema one migration behind (a rolling upgrade).
+    values = {k: v for k, v in row.items() if k not in ("credentials", "material")
+              and (k != "traceparent" or k in present)}
     values.update(sealed_row(keys, tenant_id=row["tenant_id"], idempotency_key=row["idempotency_key"],
                              body=row["body"], credentials=row["credentials"],
                              seal_body="body_key_id" in present))

@@ -87,6 +87,19 @@ def record_min_reader(revision: str, min_reader_revision: str) -> None:
     op.bulk_insert(schema_compat, [{"revision": revision, "min_reader_revision": min_reader_revision}])
 
 
+def record_additive(revision: str, parent: str) -> None:
+    """Called from an additive migration's ``upgrade()``: whatever code could run on ``parent``
+    runs on ``revision`` too, so it inherits the parent's minimum reader (the parent itself
+    where none is recorded). A release with several additive migrations then still lets the
+    previous release's daemons run beside it during a rolling upgrade."""
+    from alembic import op
+    from sqlalchemy import select
+
+    inherited = op.get_bind().execute(select(schema_compat.c.min_reader_revision)
+                                      .where(schema_compat.c.revision == parent)).scalar()
+    record_min_reader(revision, inherited or parent)
+
+
 @dataclass(frozen=True)
 class SchemaCheck:
     """How the database's schema relates to this release's code."""

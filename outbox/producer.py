@@ -36,6 +36,7 @@ from outbox.identity import (
     stream_key as scoped_stream_key,
 )
 from outbox.keyset import producer_keys
+from outbox.tracecontext import current_traceparent
 from outbox.urls import origin, validate_destination
 
 Conn = Connection | Session
@@ -178,6 +179,7 @@ def _row(
         **columns,
     }
     row["material"] = binding_material(row, content)
+    row.update(_attribution(traceparent=current_traceparent()))  # transport, not bound content
     return row
 
 

@@ -122,6 +122,8 @@ messages = Table(
     # A fire waiting for its subscriber's URL proof: also due only in the far future, so no
     # claim (of this release or an older one) ever takes it before it is released.
     Column("held", Boolean, nullable=False, server_default=false()),
+    # The enqueuing caller's W3C trace context: attempts' spans are its children (outbox/tracecontext.py).
+    Column("traceparent", Text),
     _enum_check("state", STATES, "outbox_messages_state_check"),
     _enum_check("dead_reason", DEAD_REASONS, "outbox_messages_dead_reason_check", nullable=True),
     _enum_check("auth_mode", AUTH_MODES, "outbox_messages_auth_mode_check"),
@@ -185,6 +187,8 @@ attempts = Table(
     Column("trigger", Text, nullable=False),
     Column("daemon_id", Text),
     Column("occurred_at", _Epoch, nullable=False, server_default=db_now()),
+    Column("trace_id", Text),  # the attempt's span (OpenTelemetry), when tracing is on
+    Column("span_id", Text),
     Index("outbox_attempts_message_idx", "message_id", "attempt_number"),
     Index("outbox_attempts_occurred_idx", "occurred_at"),
 )
@@ -313,6 +317,86 @@ breaker_transitions = Table(
     Column("daemon_id", Text),
     Column("occurred_at", _Epoch, nullable=False, server_default=db_now()),
     Index("outbox_breaker_transitions_key_idx", "tenant_id", "origin", "occurred_at"),
+)
+
+# Upper bounds (ms) of the latency histogram of outbox_endpoint_stats: column le_i counts
+# attempts that took at most LATENCY_BOUNDS_MS[i]; the last column counts the slower ones.
+LATENCY_BOUNDS_MS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+
+# Endpoint health (supervisor/health_stats.py): per minute, endpoint and daemon, what the
+# completer recorded. A window's health is the sum of its rows, whatever the attempt history.
+endpoint_stats = Table(
+    "outbox_endpoint_stats",
+    metadata,
+    Column("minute", BigInteger, nullable=False),  # floor(epoch seconds / 60), the database's clock
+    Column("tenant_id", Text, nullable=False),
+    Column("origin", Text, nullable=False),
+    Column("daemon_id", Text, nullable=False),  # each daemon adds to its own row: no hot row across replicas
+    Column("attempts", Integer, nullable=False, server_default="0"),  # requests made
+    Column("successes", Integer, nullable=False, server_default="0"),  # 2xx answers
+    Column("deaths", Integer, nullable=False, server_default="0"),  # messages that ended dead
+    Column("latency_ms_sum", BigInteger, nullable=False, server_default="0"),
+    *(Column(f"le_{i}", Integer, nullable=False, server_default="0") for i in range(len(LATENCY_BOUNDS_MS) + 1)),
+    PrimaryKeyConstraint("minute", "tenant_id", "origin", "daemon_id", name="outbox_endpoint_stats_pkey"),
+)
+
+# Operator events (supervisor/events.py): one row per state change, its unique key chosen so
+# replicas noticing the same change insert one row; aggregated kinds count up until due_at.
+operator_events = Table(
+    "outbox_operator_events",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("kind", Text, nullable=False),
+    Column("dedup_key", Text, nullable=False),
+    Column("tenant_id", Text),
+    Column("origin", Text),
+    Column("detail", Text, nullable=False, server_default="{}"),  # JSON object
+    Column("count", Integer, nullable=False, server_default="1"),
+    Column("first_at", _Epoch, nullable=False),
+    Column("last_at", _Epoch, nullable=False),
+    Column("due_at", _Epoch, nullable=False),  # published from then on (the end of an aggregation window)
+    Column("published_at", _Epoch),
+    Column("message_id", BigInteger),  # its delivery to the operator URL
+    Index("outbox_operator_events_dedup_key", "dedup_key", unique=True),
+    Index("outbox_operator_events_due_idx", "due_at", postgresql_where=text("published_at IS NULL"),
+          sqlite_where=text("published_at IS NULL")),
+)
+
+JOB_STATES = ("running", "paused", "cancelled", "done")
+
+# Recovery jobs (supervisor/jobs.py): a replay the daemons run in the background, in chunks,
+# each committed with the job's progress; a crash resumes from the last chunk.
+jobs = Table(
+    "outbox_jobs",
+    metadata,
+    Column("id", _Id, primary_key=True, autoincrement=True),
+    Column("kind", Text, nullable=False),  # replay
+    Column("state", Text, nullable=False),
+    Column("tenant_id", Text, nullable=False),
+    Column("origin", Text),
+    Column("reason", Text),  # dead reason; NULL: any
+    Column("since", _Epoch, nullable=False),  # messages ended dead from then ...
+    Column("until", _Epoch, nullable=False),  # ... until the job was made
+    Column("force", Boolean, nullable=False),
+    Column("rate", Float(53), nullable=False),  # messages per second at most
+    Column("total", Integer, nullable=False),  # the dry-run count when the job was made
+    Column("done", Integer, nullable=False, server_default="0"),
+    Column("skipped", Integer, nullable=False, server_default="0"),  # matched but not replayable (horizon, proof)
+    Column("cursor", BigInteger, nullable=False, server_default="0"),  # every message id up to it is handled
+    Column("leased_by", Text),
+    Column("lease_until", _Epoch),
+    Column("created_at", _Epoch, nullable=False),
+    Column("updated_at", _Epoch, nullable=False),
+    _enum_check("state", JOB_STATES, "outbox_jobs_state_check"),
+)
+
+# What each job replayed: the primary key makes "at most once per job" the database's rule.
+job_items = Table(
+    "outbox_job_items",
+    metadata,
+    Column("job_id", BigInteger, nullable=False),
+    Column("message_id", BigInteger, nullable=False),
+    PrimaryKeyConstraint("job_id", "message_id", name="outbox_job_items_pkey"),
 )
 
 # One row per migration (from 0006 on): the oldest code revision that can still run on a

@@ -156,7 +156,7 @@ def _claim_sql(pg: bool, now: str) -> str:
         RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id, auth_mode, auth_secret,
                   sequence_number, notification_type, attempts, retry_until, created_at, trigger,
                   {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
-                  {breaker.format(col="open_until")} AS breaker_open_until
+                  {breaker.format(col="open_until")} AS breaker_open_until, traceparent
     """
 
 
@@ -219,7 +219,7 @@ class _Statements:
                            AND {DEADLINE} <= {now}
                          LIMIT :limit {lock_plain})
               AND state = 'pending'
-            RETURNING id, tenant_id
+            RETURNING id, tenant_id, origin
         """)
         self.next_due = text(f"SELECT min(next_attempt_at), {now} FROM outbox_messages WHERE state = 'pending'")
         # Gauges read only the partial indexes of live rows: their cost is what is due,
@@ -286,6 +286,7 @@ class Claimed:
     # time.monotonic() when the claim statement was sent: its lease and ``claimed_at`` are no
     # older than this, whatever the round trip (or, on SQLite, the wait for the write lock) took.
     claim_sent: float = field(default_factory=time.monotonic)
+    traceparent: str | None = None  # the enqueuing caller's W3C trace context
 
     def db_time(self) -> float:
         """The database's time now, from the claim's: ``claimed_at`` plus the monotonic time
@@ -357,6 +358,7 @@ async def claim(
             claimed_at=float(r.claimed_at), lease_token=token, breaker_state=r.breaker_state,
             breaker_open_until=None if r.breaker_open_until is None else float(r.breaker_open_until),
             claim_sent=sent,
+            traceparent=r.traceparent,
         )
         for r in result
     ]
@@ -456,7 +458,7 @@ async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> l
 
 
 async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[Any]:
-    """End ``dead expired`` what is pending past its horizon (attempted or not); their (id, tenant_id) rows."""
+    """End ``dead expired`` what is pending past its horizon (attempted or not); their (id, tenant_id, origin) rows."""
     params = {"limit": limit, "horizon": horizon_seconds, "min_horizon": MIN_HORIZON_SECONDS}
     return list(await conn.execute(sql(conn).expire, params))
 

@@ -34,6 +34,8 @@ class DeliveryAttempt:
     trigger: str  # scheduled | replay
     daemon_id: str
     occurred_at: float  # epoch seconds, database clock
+    trace_id: str | None = None  # the attempt's OpenTelemetry span, when tracing is on
+    span_id: str | None = None
 
     def as_row(self) -> dict[str, Any]:
         """The ``outbox_attempts`` row for this attempt."""
@@ -45,10 +47,15 @@ class DeliveryAttempt:
             "payload_size": self.payload_size_bytes, "sequence_number": self.sequence_number,
             "idempotency_key": self.idempotency_key, "notification_type": self.notification_type,
             "trigger": self.trigger, "daemon_id": self.daemon_id, "occurred_at": self.occurred_at,
+            "trace_id": self.trace_id, "span_id": self.span_id,
         }
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record's fields; the span ids only when there is a span (tracing on)."""
+        data = asdict(self)
+        if self.trace_id is None:
+            del data["trace_id"], data["span_id"]
+        return data
 
 
 @runtime_checkable

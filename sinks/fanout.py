@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 
@@ -19,15 +20,20 @@ from sinks.attempt import DeliveryAttempt, DeliveryLogSink
 QUEUE_SIZE = 10_000
 
 
-def load_sink(path: str) -> DeliveryLogSink:
-    """Instantiate a sink named ``package.module:Name`` (or ``package.module.Name``)."""
+def resolve(path: str, what: str = "sink") -> Any:
+    """The object named ``package.module:Name`` (or ``package.module.Name``)."""
     module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"sink {path!r} must be written package.module:Name")
+        raise ValueError(f"{what} {path!r} must be written package.module:Name")
     try:
-        target = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"sink {path!r} cannot be loaded: {exc}") from None
+        raise ValueError(f"{what} {path!r} cannot be loaded: {exc}") from None
+
+
+def load_sink(path: str) -> DeliveryLogSink:
+    """Instantiate a sink named ``package.module:Name`` (or ``package.module.Name``)."""
+    target = resolve(path)
     sink = target() if isinstance(target, type) else target  # a class, or a ready instance
     if not isinstance(sink, DeliveryLogSink):
         raise ValueError(f"sink {path!r} has no async record(attempt) method")

@@ -41,6 +41,7 @@ class Outcome:
     response_time_ms: int | None = None
     retry_after: float | None = None
     sent: bool = False  # a request was made: counts for the circuit breaker
+    trace: tuple[str, str] | None = None  # (trace id, span id) of the attempt's span, when tracing is on
 
     @classmethod
     def held(cls, message: Claimed, error: str) -> "Outcome":

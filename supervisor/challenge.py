@@ -28,6 +28,7 @@ from outbox import protocol, store
 from outbox.producer import decode_body
 from outbox.schema import db_now, messages, subscribers
 from outbox.subscribers import fail_held, release_held
+from supervisor import events
 from supervisor.classify import Verdict
 from supervisor.metrics import Metrics
 
@@ -107,10 +108,11 @@ async def settle(conn: AsyncConnection, proven: Sequence[int], failed: Sequence[
         values: dict[str, Any] = {"state": state, "updated_at": db_now()}
         if state == "active":
             values.update(proven_sha256=subscribers.c.config_sha256, proven_at=db_now())
-        result = await conn.execute(
-            update(subscribers).where(subscribers.c.challenge_message_id.in_(list(message_ids)),
-                                      subscribers.c.state == "pending_proof")
-            .values(**values).returning(subscribers.c.id))
+        s = subscribers.c
+        result = list(await conn.execute(
+            update(subscribers).where(s.challenge_message_id.in_(list(message_ids)), s.state == "pending_proof")
+            .values(**values).returning(s.id, s.tenant_id, s.account_id, s.subscriber_id, s.url,
+                                        s.challenge_message_id)))
         refs = [r.id for r in result]
         if not refs:
             continue
@@ -119,8 +121,9 @@ async def settle(conn: AsyncConnection, proven: Sequence[int], failed: Sequence[
             settled.released += (await conn.execute(release_held(refs))).rowcount
         else:
             settled.failed += len(refs)
-            result = await conn.execute(fail_held(refs, "subscriber URL proof failed").returning(messages.c.tenant_id))
-            settled.dead_fires += [r.tenant_id for r in result]
+            ended = await conn.execute(fail_held(refs, "subscriber URL proof failed").returning(messages.c.tenant_id))
+            settled.dead_fires += [r.tenant_id for r in ended]
+            await events.proofs_failed(conn, result, await store.db_now(conn))
     if settled.released:
         await store.notify(conn)  # wake idle daemons: the released fires are due now
     return settled

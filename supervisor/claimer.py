@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import store
 from outbox.config import Settings
 from outbox.store import Claimed
+from supervisor import events, tracing
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitState
 from supervisor.dispatch import Dispatcher
@@ -161,11 +162,12 @@ class Claimer:
         # Stamped before the transaction opens: a lease is never older than its stamp, however
         # long the round trip or (SQLite) the wait for the write lock.
         sent = time.monotonic()
-        async with self._connection() as conn:
-            batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
-                                      horizon_seconds=self._settings.retry_horizon_seconds,
-                                      daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
-                                      done_ids=self._unrecorded(), sent=sent)
+        with tracing.span("outboxd.claim", {"outboxd.limit": limit}):
+            async with self._connection() as conn:
+                batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
+                                          horizon_seconds=self._settings.retry_horizon_seconds,
+                                          daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
+                                          done_ids=self._unrecorded(), sent=sent)
         self._metrics.claim_batch.observe(len(batch))
         for message in batch:
             held[message.origin or ""] = held.get(message.origin or "", 0) + 1
@@ -190,8 +192,12 @@ class Claimer:
             return True
         try:
             async with self._connection() as conn:
-                return await store.acquire_probe(conn, message.tenant_id, message.origin or "",
-                                                 self._settings.lease_seconds)
+                won = await store.acquire_probe(conn, message.tenant_id, message.origin or "",
+                                                self._settings.lease_seconds)
+                if won:
+                    await events.probe_taken(conn, message.tenant_id, message.origin or "",
+                                             message.breaker_open_until, await store.db_now(conn))
+                return won
         except Exception as exc:  # an outage shows in the next claim; this message is simply due again
             self._log.warning("probe.failed", tenant_id=message.tenant_id, origin=message.origin,
                               error=type(exc).__name__, detail=(str(exc).splitlines() or [""])[0][:200])

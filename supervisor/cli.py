@@ -28,6 +28,8 @@ COMMAND_MODULES = (
     "supervisor.cli_keys",
     "supervisor.cli_encryption",
     "supervisor.cli_subscribers",
+    "supervisor.cli_endpoints",
+    "supervisor.cli_recover",
 )
 
 

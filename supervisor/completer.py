@@ -29,7 +29,7 @@ from outbox.store import Claimed, Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
-from supervisor import challenge
+from supervisor import challenge, events, health_stats, tracing
 from supervisor.attempt import Outcome
 from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
 from supervisor.classify import RetryPolicy
@@ -251,6 +251,10 @@ class Completer:
         return self._engine.begin()
 
     async def flush(self, batch: Sequence[Outcome]) -> None:
+        with tracing.span("outboxd.flush", {"outboxd.outcomes": len(batch)}):
+            await self._record(batch)
+
+    async def _record(self, batch: Sequence[Outcome]) -> None:
         async with self._transaction(batch) as conn:
             now = await store.db_now(conn)
             plans = [self._plan(outcome, now) for outcome in batch]
@@ -259,6 +263,7 @@ class Completer:
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
             settled = await self._settle_proofs(conn, batch, plans, applied)
+            await self._observe(conn, batch, plans, applied, now)
         settled.count(self._metrics)
         self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded([o.message for o in batch if o.action == "retry"],
@@ -276,6 +281,19 @@ class Completer:
             return challenge.Settled()
         return await challenge.settle(conn, [c.message_id for c in ended if c.state == "delivered"],
                                       [c.message_id for c in ended if c.state == "dead"])
+
+    async def _observe(self, conn, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
+                       applied: set[int], now: float) -> None:
+        """Endpoint health and operator events of the batch (same transaction): one rollup
+        upsert per flush, and events only for messages that ended dead (docs/observability.md)."""
+        recorded = [(o, c, r) for o, (c, r) in zip(batch, plans) if o.message.id in applied]
+        await health_stats.record(conn, health_stats.tally(
+            (health_stats.Recorded(o.message.tenant_id, o.message.origin, r is not None, o.outcome == "success",
+                                   o.response_time_ms, c.state == "dead") for o, c, r in recorded if o.message.origin),
+            now=now, daemon_id=self._daemon_id))
+        await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason)
+                                           for o, c, _ in recorded if c.state == "dead"],
+                                    now=now, window=self._settings.operator_events_window_seconds)
 
     def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
         """The message's new state, and its attempt record (``None``: no attempt was made)."""
@@ -310,6 +328,7 @@ class Completer:
             next_retry_at=next_at if state == "pending" else None, payload_size_bytes=len(m.body),
             sequence_number=m.sequence_number, idempotency_key=m.idempotency_key,
             notification_type=m.notification_type, trigger=m.trigger, daemon_id=self._daemon_id, occurred_at=now,
+            trace_id=o.trace[0] if o.trace else None, span_id=o.trace[1] if o.trace else None,
         )
         return completion, record
 
@@ -349,6 +368,7 @@ class Completer:
                                   to_state=after, open_until=new["open_until"], trips=new["trips"])
         await store.save_breakers(conn, changed)
         await store.insert_transitions(conn, logged)
+        await events.breakers_moved(conn, logged)
         return transitions
 
     def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],

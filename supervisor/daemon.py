@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -29,11 +29,14 @@ from outbox.migrate import SchemaCheck, check_schema
 from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
-from supervisor.attempt import attempt
+from outbox.store import Claimed
+from supervisor import events, tracing
+from supervisor.attempt import Outcome, attempt
 from supervisor.claimer import Claimer
-from supervisor.clock import DatabaseClock
+from supervisor.clock import ClockOffsetError, DatabaseClock
 from supervisor.completer import Completer
 from supervisor.health import HealthServer
+from supervisor.jobs import JobRunner
 from supervisor.keyring import CHANNEL as KEYRING_CHANNEL
 from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
@@ -90,7 +93,8 @@ class Daemon:
                  metrics: Metrics | None = None) -> None:
         self.settings = settings
         self.daemon_id = new_daemon_id()
-        self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics)
+        self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics,
+                                          endpoint_top=settings.endpoint_metrics_top)
         self.engine = daemon_engine(settings)
         self.keys = CachedKeyring(settings, on_scopes=self._count_signing_keys)
         self.sender = sender or HttpSender(settings)
@@ -103,9 +107,10 @@ class Daemon:
                                    fanout=self.fanout, outage=self.outage,
                                    on_recorded=lambda failures, tripped: self.claimer.recorded(failures, tripped))
         self.clock = DatabaseClock()
+        self.tracing = tracing.configure()
+        self.event_sinks = events.load_sinks(settings.operator_event_sinks)
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
-                               attempt=lambda m: attempt(m, settings=settings, keys=self.keys, sender=self.sender,
-                                                         clock=self.clock),
+                               attempt=self._attempt(),
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog,
                                unrecorded=lambda: self.completer.unrecorded_ids)
@@ -126,6 +131,37 @@ class Daemon:
         held for an encryption key this process lacks."""
         return (self.outage.problem() or (await _schema_check(self.engine)).problem()
                 or held_line(self.resealer.unopenable))
+
+    def _attempt(self) -> Callable[[Claimed], Awaitable[Outcome]]:
+        """One attempt of a claimed message; inside its span when tracing is on (supervisor/tracing.py)."""
+        settings = self.settings
+
+        def run(m: Claimed) -> Awaitable[Outcome]:  # the coroutine itself: no extra frame when tracing is off
+            return attempt(m, settings=settings, keys=self.keys, sender=self.sender, clock=self.clock)
+
+        return run if self.tracing is None else self.tracing.traced(run)
+
+    async def _measure_clock(self) -> None:
+        try:
+            await self.clock.measure(self.engine)
+        except ClockOffsetError as exc:
+            await self._clock_skewed(exc)
+            raise
+
+    async def _watch_clock(self) -> None:
+        try:
+            await self.clock.watch(self.engine, self.outage)
+        except ClockOffsetError as exc:
+            await self._clock_skewed(exc)
+            raise
+
+    async def _clock_skewed(self, exc: ClockOffsetError) -> None:
+        """Tell the operators (best effort: the daemon stops either way)."""
+        try:
+            await events.clock_skewed(self.engine, str(exc))
+            await events.publish_due(self.engine, self.settings, self.event_sinks, self.settings.sink_timeout_seconds)
+        except Exception as failure:
+            self.log.error("operator_event.unrecorded", kind="clock.skew", error=type(failure).__name__)
 
     async def wait_for_schema(self, stop: asyncio.Event) -> bool:
         """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
@@ -187,7 +223,7 @@ class Daemon:
         ready = False
         try:
             if await self.wait_for_schema(stop):
-                await self.clock.measure(self.engine)  # ClockOffsetError: never sign with a clock receivers reject
+                await self._measure_clock()  # ClockOffsetError: never sign with a clock receivers reject
                 await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
                 await self.resealer.tick()  # report the encryption keys before the first claim
                 ready = True
@@ -204,15 +240,18 @@ class Daemon:
         # in flight waited out).
         gc.collect()
         gc.freeze()
+        tracing.install(self.tracing)
         self.fanout.start()
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
             asyncio.create_task(self.keys.run(self.engine), name="keyring"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
-                                            outage=self.outage,
-                                            horizon_seconds=self.settings.retry_horizon_seconds).run(),
+                                            outage=self.outage, horizon_seconds=self.settings.retry_horizon_seconds,
+                                            settings=self.settings, event_sinks=self.event_sinks).run(),
                                 name="maintenance"),
-            asyncio.create_task(self.clock.watch(self.engine, self.outage), name="clock"),
+            asyncio.create_task(self._watch_clock(), name="clock"),
+            asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
+                                          horizon_seconds=self.settings.retry_horizon_seconds).run(), name="jobs"),
         ]
         background.append(asyncio.create_task(self.resealer.run(), name="resealer"))
         if is_postgresql(self.settings.database_url):
@@ -246,6 +285,9 @@ class Daemon:
             await self.claimer.aclose()
             await self.completer.aclose()
             await self.engine.dispose()
+            tracing.install(None)
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)  # export the last spans
         if failure is not None:
             raise failure  # DatabaseUnavailable, or a bug: exit non-zero so the supervisor restarts us
         self.log.info("daemon.stopped")

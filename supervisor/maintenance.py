@@ -1,6 +1,7 @@
 """Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
-sample the gauges that need a query, and (PostgreSQL) keep the attempt partitions of the
-coming days ready (:mod:`outbox.partitions`).
+sample the gauges that need a query, prune endpoint health past its retention
+(:mod:`supervisor.health_stats`), publish operator events (:mod:`supervisor.events`), and
+(PostgreSQL) keep the attempt partitions of the coming days ready (:mod:`outbox.partitions`).
 
 Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
 cut short by a crash (after which the receiver may or may not have seen the request) is
@@ -11,24 +12,27 @@ process, never per scrape, so scrapes put no load on the database.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import structlog
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
+from outbox.config import Settings
 from outbox.partitions import ensure_attempt_partitions
 from outbox.schema import breakers
 from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
-from supervisor import challenge
-from supervisor.metrics import Metrics
+from supervisor import challenge, events, health_stats
+from supervisor.metrics import ENDPOINT_WINDOW_SECONDS, Metrics
 from supervisor.outage import OutageGuard
 
 RESCUE_INTERVAL = 2.0
 EXPIRE_INTERVAL = 30.0
 GAUGE_INTERVAL = 15.0
 PARTITION_INTERVAL = 3600.0
+PRUNE_INTERVAL = 60.0
 
 
 async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
@@ -55,6 +59,9 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
         pending, in_flight = await store.live_counts(conn)
         oldest, now = await store.next_due_at(conn)
         states = dict((await conn.execute(select(breakers.c.state, func.count()).group_by(breakers.c.state))).all())
+        if metrics.endpoint_top:
+            metrics.set_endpoints(await health_stats.endpoint_health(
+                conn, window_seconds=ENDPOINT_WINDOW_SECONDS, limit=metrics.endpoint_top))
     metrics.messages.labels(state="pending").set(pending)
     metrics.messages.labels(state="in_flight").set(in_flight)
     metrics.oldest_due_age.set(max(now - oldest, 0.0) if oldest is not None else 0.0)
@@ -64,8 +71,11 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
 
 class Maintenance:
     def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard,
-                 horizon_seconds: int) -> None:
+                 horizon_seconds: int, settings: Settings | None = None, event_sinks: Sequence[events.Sink] = ()
+                 ) -> None:
         self._engine = engine
+        self._settings = settings or Settings()  # the operator events' destination and window
+        self._event_sinks = event_sinks
         self._horizon = horizon_seconds
         self._daemon_id = daemon_id
         self._metrics = metrics
@@ -85,6 +95,12 @@ class Maintenance:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
                         settled = await challenge.settle(conn, [], [r.id for r in expired])  # an expired proof failed
+                        await health_stats.record(conn, health_stats.tally(
+                            (health_stats.Recorded(r.tenant_id, r.origin, False, False, None, True)
+                             for r in expired if r.origin), now=await store.db_now(conn), daemon_id=self._daemon_id))
+                        await events.messages_ended(conn, [(r.tenant_id, r.origin, "expired") for r in expired],
+                                                    now=await store.db_now(conn),
+                                                    window=self._settings.operator_events_window_seconds)
                     settled.count(self._metrics)
                     for row in expired:
                         self._metrics.count_dead("expired", row.tenant_id)
@@ -92,10 +108,16 @@ class Maintenance:
                         self._log.warning("messages.expired", count=len(expired))
                 if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:
                     await sample_gauges(self._engine, self._metrics)
+                if ticks % int(PRUNE_INTERVAL / RESCUE_INTERVAL) == 0:
+                    async with self._engine.begin() as conn:
+                        await health_stats.prune(conn)
+                        await events.keys_leaving(conn, await store.db_now(conn))
                 if ticks % int(PARTITION_INTERVAL / RESCUE_INTERVAL) == 0 and self._partitioned:
                     created = await ensure_attempt_partitions(self._engine)
                     if created:
                         self._log.info("attempt_partitions.created", count=created)
+                await events.publish_due(self._engine, self._settings, self._event_sinks,
+                                         self._settings.sink_timeout_seconds)
                 self._outage.ok("maintenance")
             except Exception as exc:
                 await self._outage.failed("maintenance", exc)

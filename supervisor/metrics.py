@@ -1,7 +1,8 @@
 """Prometheus metrics of the daemon: names prefixed ``outbox_``, base units, bounded labels.
 
 No label ever carries a message id, URL or tenant, unless the operator turns per-tenant
-labels on (``OUTBOX_PER_TENANT_METRICS``) for the two per-tenant counters.
+labels on (``OUTBOX_PER_TENANT_METRICS``) for the two per-tenant counters, or asks for the
+health of the N busiest endpoints (``OUTBOX_ENDPOINT_METRICS_TOP``): at most N label sets.
 """
 
 from __future__ import annotations
@@ -10,11 +11,18 @@ import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, PlatformCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 21600, 86400)
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20)
 BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
+ENDPOINT_WINDOW_SECONDS = 300  # the window of the per-endpoint health series
+
+if TYPE_CHECKING:
+    from supervisor.health_stats import EndpointHealth
 
 
 def package_version() -> str:
@@ -36,9 +44,10 @@ def status_class(status: int | None) -> str:
 class Metrics:
     """All metric families of one daemon, on their own registry."""
 
-    def __init__(self, *, per_tenant: bool = False) -> None:
+    def __init__(self, *, per_tenant: bool = False, endpoint_top: int = 0) -> None:
         self.registry = CollectorRegistry()
         self.per_tenant = per_tenant
+        self.endpoint_top = endpoint_top
         r = self.registry
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
@@ -105,6 +114,30 @@ class Metrics:
             self.held_fires.labels(outcome=outcome)
         for cause in ("connection", "timeout", "statement", "prepared_statements", "pooler_startup"):
             self.database_errors.labels(cause=cause)
+        if endpoint_top:
+            endpoint = ["tenant", "origin"]
+            window = f"over the last {ENDPOINT_WINDOW_SECONDS // 60} minutes, busiest endpoints (sampled)."
+            self.endpoint_attempts = Gauge("outbox_endpoint_attempts", f"Attempts {window}", endpoint, registry=r)
+            self.endpoint_success_ratio = Gauge("outbox_endpoint_success_ratio", f"Share of 2xx answers {window}",
+                                                endpoint, registry=r)
+            self.endpoint_deaths = Gauge("outbox_endpoint_deaths", f"Messages ended dead {window}", endpoint,
+                                         registry=r)
+            self.endpoint_latency = Gauge("outbox_endpoint_latency_seconds", f"Attempt latency quantile {window}",
+                                          [*endpoint, "quantile"], registry=r)
+
+    def set_endpoints(self, health: Sequence["EndpointHealth"]) -> None:
+        """Replace the per-endpoint series with ``health`` (endpoints that left the top N vanish)."""
+        for gauge in (self.endpoint_attempts, self.endpoint_success_ratio, self.endpoint_deaths,
+                      self.endpoint_latency):
+            gauge.clear()
+        for h in health:
+            self.endpoint_attempts.labels(h.tenant_id, h.origin).set(h.attempts)
+            self.endpoint_deaths.labels(h.tenant_id, h.origin).set(h.deaths)
+            if h.success_rate is not None:
+                self.endpoint_success_ratio.labels(h.tenant_id, h.origin).set(h.success_rate)
+            for q, value in (("0.5", h.latency_p50_ms), ("0.95", h.latency_p95_ms)):
+                if value is not None:
+                    self.endpoint_latency.labels(h.tenant_id, h.origin, q).set(value / 1000)
 
     def tenant_labels(self, tenant_id: str) -> dict[str, str]:
         return {"tenant": tenant_id} if self.per_tenant else {}

@@ -67,13 +67,15 @@ def _truncate(engine: Engine) -> None:
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(
                 "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions, "
-                "outbox_signing_keys, outbox_subscribers, outbox_encryption_keys, outbox_encryption_readers"
+                "outbox_signing_keys, outbox_subscribers, outbox_encryption_keys, outbox_encryption_readers, "
+                "outbox_endpoint_stats, outbox_operator_events, outbox_jobs, outbox_job_items"
                 " RESTART IDENTITY"
             )
         else:
             for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
                           "outbox_breaker_transitions", "outbox_signing_keys", "outbox_subscribers",
-                          "outbox_encryption_keys", "outbox_encryption_readers"):
+                          "outbox_encryption_keys", "outbox_encryption_readers",
+                          "outbox_endpoint_stats", "outbox_operator_events", "outbox_jobs", "outbox_job_items"):
                 conn.exec_driver_sql(f"DELETE FROM {table}")
 
 

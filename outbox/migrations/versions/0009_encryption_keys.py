@@ -15,7 +15,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrate import record_min_reader
+from outbox.migrate import record_additive
 
 revision = "0009_encryption_keys"
 down_revision = "0007_attempt_partitions"
@@ -41,7 +41,7 @@ def upgrade() -> None:
         sa.Column("unopenable", sa.Integer, nullable=False, server_default="0"),
         sa.Column("seen_at", _Epoch, nullable=False),
     )
-    record_min_reader(revision, down_revision)
+    record_additive(revision, down_revision)
 
 
 def downgrade() -> None:

@@ -1,0 +1,89 @@
+"""``outboxd recover``: recovery as a background job the daemons run (supervisor/jobs.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from outbox.config import Settings
+from outbox.schema import DEAD_REASONS
+from supervisor.cli_common import Subcommands, UserError, parse_time, positive_int, print_json, run_async, table
+
+
+def _positive_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < rate <= 100_000:
+        raise argparse.ArgumentTypeError("must be above 0 and at most 100000 messages per second")
+    return rate
+
+
+def _print_job(job: dict[str, Any]) -> None:
+    scope = job["tenant_id"] + (f"@{job['origin']}" if job["origin"] else "")
+    print(f"job {job['id']}  {job['state']}  {scope}  reason={job['reason'] or 'any'}  since {job['since']}"
+          f"{'  --force' if job['force'] else ''}")
+    print(f"  replayed {job['done']}/{job['total']}, skipped {job['skipped']} (past the horizon without --force), "
+          f"at most {job['rate']:g}/s; updated {job['updated_at']}")
+
+
+def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
+    from supervisor import jobs
+
+    if args.action == "start":
+        if not args.tenant or args.since is None:
+            raise UserError("recover start needs --tenant and --since (a time, or a duration ago like 6h)")
+        selection = jobs.Selection(args.tenant, args.since, args.origin, args.reason)
+        if args.dry_run:
+            matched = run_async(settings, lambda conn: jobs.count(conn, selection))
+            print_json({"would_replay": matched}) if args.json else print(f"would replay {matched} dead message(s)")
+            return 0
+        if args.force:
+            print("warning: --force replays past the retry horizon; the receiver's dedup window may be gone, "
+                  "so it may act on a message twice", file=sys.stderr)
+        job = run_async(settings, lambda conn: jobs.create(conn, selection, force=args.force, rate=args.rate))
+        if args.json:
+            print_json(job)
+        else:
+            print(f"job {job['id']}: replaying {job['total']} dead message(s) in the background, at most "
+                  f"{job['rate']:g}/s; follow it with `outboxd recover show {job['id']}`")
+        return 0
+    if args.action == "list":
+        rows = run_async(settings, jobs.list_jobs)
+        if args.json:
+            print_json(rows)
+        else:
+            table([(j["id"], j["state"], j["tenant_id"], j["origin"], j["reason"], f"{j['done']}/{j['total']}",
+                    j["skipped"], j["rate"], j["created_at"]) for j in rows],
+                  ["JOB", "STATE", "TENANT", "ORIGIN", "REASON", "REPLAYED", "SKIPPED", "RATE", "CREATED"])
+        return 0
+    if args.job is None:
+        raise UserError(f"recover {args.action} needs a job id (see `outboxd recover list`)")
+    if args.action == "show":
+        job = run_async(settings, lambda conn: jobs.show(conn, args.job))
+        if job is None:
+            raise UserError(f"no job {args.job}")
+        print_json(job) if args.json else _print_job(job)
+        return 0
+    if not run_async(settings, lambda conn: jobs.change(conn, args.job, args.action)):
+        raise UserError(f"job {args.job} does not exist or cannot {args.action} from its state")
+    print(f"job {args.job}: {args.action} done")
+    return 0
+
+
+def register(add: Subcommands) -> None:
+    p = add("recover", "Replay a tenant's dead messages as a durable background job the daemons run: start (with "
+                       "--dry-run to count first), list, show, pause, resume, cancel.", cmd_recover)
+    p.add_argument("action", choices=["start", "list", "show", "pause", "resume", "cancel"])
+    p.add_argument("job", nargs="?", type=positive_int, metavar="JOB", help="job id (show, pause, resume, cancel)")
+    p.add_argument("--tenant", help="start: the tenant whose dead messages to replay")
+    p.add_argument("--since", type=parse_time, help="start: messages that ended dead since (ISO time, or 6h ago)")
+    p.add_argument("--origin", help="start: only this endpoint origin, e.g. https://buyer.example.com")
+    p.add_argument("--reason", choices=DEAD_REASONS, help="start: only this dead reason")
+    p.add_argument("--force", action="store_true", help="start: also replay past the retry horizon "
+                                                        "(a fresh horizon, as `outboxd replay --force`)")
+    p.add_argument("--rate", type=_positive_rate, default=50.0, help="start: messages per second at most (default 50)")
+    p.add_argument("--dry-run", action="store_true", help="start: only count what would be replayed")
+    p.add_argument("--json", action="store_true", help="print JSON")

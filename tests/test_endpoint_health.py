@@ -1,0 +1,167 @@
+"""Endpoint health: the per-minute rollup agrees with the attempt log, on both databases and
+through the real daemon, and its quantiles and Prometheus series stay within their bounds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+from sqlalchemy import func, select
+
+import outbox
+from outbox.db import make_async_engine
+from outbox.schema import LATENCY_BOUNDS_MS, attempts, endpoint_stats, messages, operator_events
+from outbox.store import db_now
+from supervisor import health_stats
+from supervisor.health_stats import Recorded, bucket_of, endpoint_health, quantile, tally
+from supervisor.maintenance import sample_gauges
+from supervisor.metrics import Metrics
+from tests import procs
+
+SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
+
+
+@given(st.lists(st.integers(min_value=0, max_value=60_000), min_size=1, max_size=300),
+       st.sampled_from([0.5, 0.95]))
+@hsettings(max_examples=200, deadline=None)
+def test_a_quantile_lies_in_the_bucket_of_the_true_one(latencies, q):
+    histogram = [0] * (len(LATENCY_BOUNDS_MS) + 1)
+    for ms in latencies:
+        histogram[bucket_of(ms)] += 1
+    true = sorted(latencies)[max(int(q * len(latencies) + 0.999999) - 1, 0)]  # the nearest-rank quantile
+    estimate = quantile(histogram, q)
+    i = bucket_of(true)
+    low = 0 if i == 0 else LATENCY_BOUNDS_MS[i - 1]
+    high = LATENCY_BOUNDS_MS[i] if i < len(LATENCY_BOUNDS_MS) else low
+    assert low <= estimate <= high, (estimate, true)
+
+
+def _recorded(tenant: str, origin: str, n: int, *, ok: bool, ms: int, died: bool = False) -> list[Recorded]:
+    return [Recorded(tenant, origin, True, ok, ms, died) for _ in range(n)]
+
+
+async def test_rows_add_up_per_minute_and_daemon_and_the_window_sums_them(engine):
+    """The upsert adds (never overwrites) on either database, each daemon to its own row;
+    a window sees its minutes only, and pruning drops what is past the retention."""
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            now = await db_now(conn)
+            a, b = ("acme", "https://a.example"), ("acme", "https://b.example")
+            for daemon in ("d1", "d2"):
+                await health_stats.record(conn, tally(
+                    _recorded(*a, 3, ok=True, ms=40) + _recorded(*a, 1, ok=False, ms=900, died=True)
+                    + _recorded(*b, 2, ok=False, ms=20), now=now, daemon_id=daemon))
+            await health_stats.record(conn, tally(_recorded(*a, 5, ok=True, ms=40), now=now, daemon_id="d1"))
+            # ten minutes ago: inside an hour's window, outside a five-minute one
+            await health_stats.record(conn, tally(_recorded(*b, 4, ok=True, ms=5), now=now - 600, daemon_id="d1"))
+            # two days ago: past the retention
+            await health_stats.record(conn, tally(_recorded(*b, 7, ok=True, ms=5), now=now - 2 * 86400,
+                                                  daemon_id="d1"))
+        async with async_engine.begin() as conn:
+            hour = {(h.tenant_id, h.origin): h for h in await endpoint_health(conn, window_seconds=3600)}
+            recent = {(h.tenant_id, h.origin): h for h in await endpoint_health(conn, window_seconds=300)}
+            assert await health_stats.prune(conn) == 1
+            assert (await conn.execute(select(func.count()).select_from(endpoint_stats))).scalar() == 5
+        assert list(hour) == [a, b]  # busiest first
+        assert (hour[a].attempts, hour[a].successes, hour[a].deaths) == (13, 11, 2)
+        assert hour[a].success_rate == pytest.approx(11 / 13)
+        assert 25 <= hour[a].latency_p50_ms <= 50 and 500 <= hour[a].latency_p95_ms <= 1000
+        assert (hour[b].attempts, hour[b].successes, recent[b].attempts, recent[b].successes) == (8, 4, 4, 0)
+        assert hour[a].breaker_state == "closed" and hour[a].as_dict()["breaker_open_until"] is None
+        with pytest.raises(ValueError):
+            async with async_engine.connect() as conn:
+                await endpoint_health(conn, window_seconds=2 * 86400)
+    finally:
+        await async_engine.dispose()
+
+
+async def test_the_prometheus_series_are_off_by_default_and_at_most_the_top_n(pg_engine):
+    async_engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            now = await db_now(conn)
+            await health_stats.record(conn, tally(
+                [r for i in range(5) for r in _recorded(f"t{i}", "https://x.example", i + 1, ok=True, ms=30)],
+                now=now, daemon_id="d"))
+        default = Metrics()
+        await sample_gauges(async_engine, default)
+        assert not any(m.name.startswith("outbox_endpoint_") for m in default.registry.collect())
+        top = Metrics(endpoint_top=2)
+        await sample_gauges(async_engine, top)
+        labelled = {s.labels["tenant"]: s.value for m in top.registry.collect() if m.name == "outbox_endpoint_attempts"
+                    for s in m.samples}
+        assert labelled == {"t4": 5, "t3": 4}
+        assert top.registry.get_sample_value("outbox_endpoint_success_ratio", {"tenant": "t4",
+                                                                               "origin": "https://x.example"}) == 1
+    finally:
+        await async_engine.dispose()
+
+
+@pytest.fixture
+def keypair(tmp_path):
+    return procs.make_key(tmp_path)
+
+
+def _outboxd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.e2e
+def test_endpoints_shows_what_the_attempt_log_holds(pg_engine, pg_url, tmp_path, keypair):
+    """Three tenants' endpoints through the real daemon: one healthy, one whose messages die
+    at once (410), one failing until its breaker opens. ``outboxd endpoints --json`` agrees
+    with the attempt log row for row, and shows the open breaker."""
+    key, jwks = keypair
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        base = f"http://127.0.0.1:{port}"
+        env = procs.daemon_env(pg_url, key)
+        with pg_engine.begin() as conn:
+            for tenant, path, n in (("well", "/ok", 30), ("gone", "/status/410", 5), ("sick", "/status/500", 40)):
+                for i in range(n):
+                    outbox.enqueue_task_webhook(
+                        conn, tenant_id=tenant, task_id=f"{tenant}{i}", task_type="create_media_buy",
+                        status="completed", settings=SETTINGS,
+                        push_notification_config={"url": f"{base}{path}?i={i}", "operation_id": "op"})
+        daemon = procs.start_daemon(env, tmp_path / "d.log")
+        try:
+            def settled() -> bool:
+                with pg_engine.connect() as conn:
+                    done = conn.execute(select(func.count()).where(messages.c.tenant_id.in_(["well", "gone"]),
+                                                                   messages.c.state.in_(["delivered", "dead"]))
+                                        ).scalar()
+                    tripped = conn.execute(select(func.count()).select_from(outbox.schema.breakers).where(
+                        outbox.schema.breakers.c.state == "open")).scalar()
+                return done == 35 and tripped == 1
+            assert procs.wait_until(settled, 60)
+        finally:
+            assert procs.stop(daemon) == 0
+    result = _outboxd(env, "endpoints", "--json", "--window", "15m")
+    assert result.returncode == 0, result.stderr
+    shown = {h["tenant_id"]: h for h in json.loads(result.stdout)}
+    with pg_engine.connect() as conn:
+        logged = dict(conn.execute(select(attempts.c.tenant_id, func.count()).group_by(attempts.c.tenant_id)).all())
+        ok = dict(conn.execute(select(attempts.c.tenant_id, func.count()).where(attempts.c.outcome == "success")
+                               .group_by(attempts.c.tenant_id)).all())
+    origin = f"http://127.0.0.1:{port}"
+    assert set(shown) == {"well", "gone", "sick"} and {h["origin"] for h in shown.values()} == {origin}
+    for tenant, h in shown.items():
+        assert h["attempts"] == logged[tenant], tenant
+        assert h["successes"] == ok.get(tenant, 0), tenant
+        assert h["latency_p50_ms"] is not None and h["latency_p95_ms"] >= h["latency_p50_ms"]
+    assert shown["well"]["success_rate"] == 1.0 and shown["well"]["deaths"] == 0
+    assert shown["gone"]["deaths"] == 5 and shown["gone"]["success_rate"] == 0.0
+    assert shown["sick"]["breaker_state"] == "open" and shown["sick"]["breaker_open_until"].endswith("Z")
+    text = _outboxd(env, "endpoints", "--tenant", "sick")
+    assert text.returncode == 0 and f"sick@{origin}" in text.stdout and "open" in text.stdout
+    assert "well@" not in text.stdout
+    with pg_engine.connect() as conn:  # the deaths also raised one operator event (recorded in the same flushes)
+        dead_events = conn.execute(select(operator_events.c.count).where(
+            operator_events.c.kind == "messages.dead", operator_events.c.tenant_id == "gone")).scalars().all()
+    assert sum(dead_events) == 5  # one event per window (two if the deaths straddle a window edge)
+    bad = _outboxd(env, "endpoints", "--window", "3d")
+    assert bad.returncode == 1 and "--window" in bad.stderr
