@@ -355,13 +355,16 @@ def enqueue(
     horizon_seconds: int | None = None,
     principal_id: str | None = None,
     media_buy_id: str | None = None,
+    account_id: str | None = None,
+    subscriber_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue any other AdCP notification body on the same delivery contract (docs/protocol.md "Webhook bodies").
 
     ``payload`` is a mapping (its ``idempotency_key`` is set, or minted) or the exact JSON
     bytes to send, which must be an object carrying a valid ``idempotency_key``.
-    ``principal_id`` and ``media_buy_id`` attribute it in :func:`outbox.webhook_activity`.
+    ``principal_id``, ``media_buy_id``, ``account_id`` and ``subscriber_id`` attribute it in
+    :func:`outbox.webhook_activity`.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -390,5 +393,7 @@ def enqueue(
                {"notification_type": _optional_string(notification_type, "notification_type"),
                 "horizon_seconds": _horizon(horizon_seconds),
                 **_attribution(principal_id=principal(principal_id), notification_id=_event_id(decoded),
-                               media_buy_id=_optional_string(media_buy_id, "media_buy_id"))})
+                               media_buy_id=_optional_string(media_buy_id, "media_buy_id"),
+                               account_id=_optional_string(account_id, "account_id"),
+                               subscriber_id=_optional_string(subscriber_id, "subscriber_id"))})
     return store_bound(_connection(conn), row, settings.sealing())

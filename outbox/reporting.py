@@ -1,0 +1,121 @@
+"""The reporting hand-off: the ``adcp`` SDK's Reliable Reporting deliveries, sent by outboxd.
+
+The SDK's ledger writes each reporting event in its own transaction, and its
+``ReportingNotificationWorker.expand_one`` turns an event into one sealed delivery per
+matching subscription (fresh ``idempotency_key``, exact body bytes). Instead of its
+``deliver_one`` (a fixed retry, no back-off, no breaker), :class:`ReportingHandoff` claims
+each delivery, opens it with the SDK's cipher, stores the body into outboxd for the
+subscriber outboxd knows under the same ``(account, subscriber_id)`` and principal, commits,
+and only then finishes the SDK delivery.
+
+Exactly one outboxd message per SDK delivery: the message's identity is ``(tenant,
+idempotency_key)`` and the body is the same bytes, so a hand-off repeated after a crash
+between the commit and the finish (or by a second worker once the lease lapsed) returns the
+stored message instead of writing another (docs/reporting.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Protocol
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from outbox.config import Settings
+from outbox.errors import IdempotencyConflictError
+from outbox.events import SubscriberUnavailable, enqueue_subscriber_body
+from outbox.producer import default_settings
+
+
+class DeliveryQueue(Protocol):
+    """What the hand-off uses of the SDK's ``ReportingNotificationOutbox``."""
+
+    async def claim_delivery(self, *, account_id: str, now: datetime, lease_seconds: float) -> Any: ...
+
+    async def finish_delivery(self, lease: Any, *, now: datetime, state: str, error_code: str | None = None,
+                              retry_at: datetime | None = None) -> bool: ...
+
+
+class EnvelopeCipher(Protocol):
+    """The SDK's ``ReportingEnvelopeCipher``: authenticates and opens a stored delivery."""
+
+    def open(self, delivery: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class HandoffResult:
+    """One claimed SDK delivery and what became of it."""
+
+    delivery_id: str
+    idempotency_key: str
+    state: str  # the SDK state it was finished with: complete | pending | suppressed | quarantined
+    message_id: int | None  # the outboxd message (None when nothing was stored)
+    finished: bool  # False: the SDK lease lapsed first; the next claim hands it off again (same message)
+
+
+class ReportingHandoff:
+    """Hand the SDK's expanded reporting deliveries of one tenant to outboxd.
+
+    ``queue`` and ``cipher`` are the SDK's outbox and envelope cipher (the ones its worker
+    was built with); ``engine`` is outboxd's database. Several hand-offs may run at once:
+    the SDK's delivery lease keeps them apart, and the idempotency key settles a lapsed one.
+    """
+
+    def __init__(self, *, queue: DeliveryQueue, cipher: EnvelopeCipher, engine: Engine, tenant_id: str,
+                 settings: Settings | None = None, clock: Callable[[], datetime] | None = None,
+                 lease_seconds: float = 60, retry_seconds: float = 5) -> None:
+        if lease_seconds < 1 or retry_seconds <= 0:
+            raise ValueError("positive retry and at least one second of lease are required")
+        self.queue, self.cipher, self.engine, self.tenant_id = queue, cipher, engine, tenant_id
+        self.settings = settings or default_settings()
+        self._clock = clock or (lambda: datetime.now(timezone.utc))
+        self.lease_seconds, self.retry_seconds = lease_seconds, retry_seconds
+
+    def _store(self, binding: Any, body: bytes) -> int:
+        """Commit the outboxd message for one opened delivery (its own transaction)."""
+        with self.engine.begin() as conn:
+            return enqueue_subscriber_body(conn, tenant_id=self.tenant_id, account_id=binding.account_id,
+                                           subscriber_id=binding.subscriber_id, principal_id=binding.principal_id,
+                                           body=body, settings=self.settings).id
+
+    async def _outcome(self, lease: Any) -> tuple[str, str | None, int | None]:
+        try:
+            opened = self.cipher.open(lease.delivery)
+        except ValueError:  # ReportingNotificationError: tampered or undecodable, never sendable
+            return "quarantined", "integrity_failure", None
+        try:
+            message_id = await asyncio.to_thread(self._store, lease.delivery.binding, opened.prepared.body)
+        except SubscriberUnavailable:
+            return "suppressed", "subscription_changed", None
+        except IdempotencyConflictError:
+            # The key is already stored with another destination (the subscriber's URL
+            # changed after an earlier hand-off committed): that message is this delivery's.
+            return "complete", None, None
+        except SQLAlchemyError:
+            return "pending", "network", None  # outboxd's database is unreachable: try again later
+        return "complete", None, message_id
+
+    async def hand_off_one(self, *, account_id: str) -> HandoffResult | None:
+        """Claim one due delivery of ``account_id`` and hand it off; ``None`` when none is due."""
+        lease = await self.queue.claim_delivery(account_id=account_id, now=self._clock(),
+                                                lease_seconds=self.lease_seconds)
+        if lease is None:
+            return None
+        state, error, message_id = await self._outcome(lease)
+        now = self._clock()
+        retry_at = now + timedelta(seconds=self.retry_seconds) if state == "pending" else None
+        finished = await self.queue.finish_delivery(lease, now=now, state=state, error_code=error, retry_at=retry_at)
+        binding = lease.delivery.binding
+        return HandoffResult(binding.delivery_id, binding.idempotency_key, state, message_id, finished)
+
+    async def run_once(self, account_ids: Sequence[str]) -> list[HandoffResult]:
+        """Hand off every delivery now due for these accounts (a turn of the seller's loop)."""
+        results = []
+        for account_id in account_ids:
+            while (result := await self.hand_off_one(account_id=account_id)) is not None:
+                results.append(result)
+        return results

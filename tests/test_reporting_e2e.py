@@ -1,0 +1,244 @@
+"""End to end: the adcp SDK's Reliable Reporting notifications, handed off to and sent by outboxd.
+
+The SDK's in-memory ledger (deterministic clock) records one event of each reporting type
+for buyer A and a revision for buyer B; the SDK's own ``ReportingNotificationWorker``
+expands them with its cipher; :class:`outbox.reporting.ReportingHandoff` moves each sealed
+delivery into outboxd (PostgreSQL), and the real daemon sends them to a receiver that
+verifies every signature with the SDK. Checked: exact body bytes and the SDK's payload
+validation, 503-503-200 as three attempts under one key, a crash between outboxd's commit
+and the SDK finish, two hand-off workers at once, principal scoping, and revocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import func, select
+
+import outbox
+from adcp.reporting.ledger import InMemoryReportingLedgerStore
+from adcp.reporting.ledger.models import ReportingConfigurationGenerationKey
+from adcp.reporting.ledger.notification_models import (
+    MaterializationReady,
+    ReportingStatusScope,
+    RevisionPublished,
+    StatusChanged,
+    new_event,
+)
+from adcp.reporting.outbox import (
+    InMemoryReportingOutbox,
+    ReportingEnvelopeCipher,
+    ReportingNotificationSubscription,
+    ReportingNotificationWorker,
+    validate_notification_payload,
+)
+from outbox.reporting import ReportingHandoff
+from outbox.schema import attempts, messages
+from tests import procs
+
+pytestmark = pytest.mark.e2e
+ACCOUNT = "acct_glow"
+TYPES = ("reporting.delivery_ready", "reporting.ledger_changed", "reporting.status_changed")
+KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
+SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
+                                     "OUTBOX_SELLER_AGENT_URL": "https://seller.example/adcp",
+                                     "OUTBOX_ENCRYPTION_KEY": KEY})
+START = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
+
+
+class Clock:
+    """The SDK's clock, moved by the test (leases lapse when the test says so)."""
+
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class Registry:
+    """The seller's trusted registrations, as the SDK's subscription resolver reads them."""
+
+    def __init__(self) -> None:
+        self.subscriptions: dict[str, ReportingNotificationSubscription] = {}
+
+    def add(self, subscriber_id: str, principal_id: str, event_types: tuple[str, ...]) -> None:
+        self.subscriptions[subscriber_id] = ReportingNotificationSubscription(
+            ACCOUNT, subscriber_id, principal_id, f"https://{subscriber_id}.buyer.example/reporting", event_types,
+            "rev-1", "authz-1", "proof-1", signing_scope_id="scope-1", active=True, authorized=True,
+            proof_valid=True)
+
+    async def list_active(self, *, account_id: str, notification_type: str):
+        return tuple(s for s in self.subscriptions.values() if notification_type in s.event_types)
+
+    async def get_active(self, *, account_id: str, subscriber_id: str, notification_type: str):
+        return self.subscriptions.get(subscriber_id)
+
+
+def register(engine, sid: str, principal: str, url: str, event_types=TYPES) -> None:
+    with engine.begin() as conn:
+        outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, principal_id=principal,
+                                   notification_config={"subscriber_id": sid, "url": url,
+                                                        "event_types": list(event_types)}, settings=SETTINGS)
+
+
+def causes(consumer: str) -> list:
+    generation = ReportingConfigurationGenerationKey(ACCOUNT, consumer, "cfg_1", 1)
+    return [RevisionPublished(f"rev_{consumer}", consumer, "snapshot"),
+            StatusChanged(ReportingStatusScope(ACCOUNT, generation, feed_purpose="pacing"), "healthy", "a" * 64, 1),
+            MaterializationReady(generation, consumer, "obl_1", "dest_1", "file_transfer", f"rev_{consumer}",
+                                 "mat_1", "available", "snapshot", START, "pacing")]
+
+
+async def record(store: InMemoryReportingLedgerStore, *items) -> None:
+    """Events written in one ledger transaction, as the SDK's ledger writes them."""
+    async with store._mutation():
+        for cause in items:
+            store._record_notification(new_event(ACCOUNT, cause, START))
+
+
+async def sealed_bodies(queue: InMemoryReportingOutbox, cipher: ReportingEnvelopeCipher) -> dict[str, bytes]:
+    """Every expanded delivery's exact body, by idempotency key (opened with the SDK's cipher)."""
+    return {d.delivery.binding.idempotency_key: cipher.open(d.delivery).prepared.body
+            for d in await queue.list_deliveries(account_id=ACCOUNT)}
+
+
+def message_count(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(messages)
+                            .where(messages.c.notification_type.in_(TYPES))).scalar_one()
+
+
+def listed(engine) -> list[outbox.Subscriber]:
+    with engine.connect() as conn:
+        return outbox.list_subscribers(conn, tenant_id="t1", account_id=ACCOUNT)
+
+
+def settled(engine) -> bool:
+    with engine.connect() as conn:
+        states = conn.execute(select(messages.c.state)).scalars().all()
+    return bool(states) and all(s in ("delivered", "dead") for s in states)
+
+
+@pytest.fixture()
+def receiver(tmp_path):
+    key, jwks = procs.make_key(tmp_path)
+    with procs.receiver(tmp_path, jwks, log_bodies=True) as (port, log):
+        yield key, f"http://127.0.0.1:{port}", log
+
+
+def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp_path, receiver):
+    key, base, log = receiver
+    register(pg_engine, "sub-a", "buyer-a", f"{base}/flaky/2/503/a")  # 503, 503, then 200 for every key
+    register(pg_engine, "sub-b", "buyer-b", f"{base}/ok/b")
+    register(pg_engine, "sub-c", "buyer-a", f"{base}/ok/c", ("reporting.ledger_changed",))
+    registry = Registry()
+    registry.add("sub-a", "buyer-a", TYPES)
+    registry.add("sub-b", "buyer-b", TYPES)
+    registry.add("sub-c", "buyer-a", ("reporting.ledger_changed",))
+    env = procs.daemon_env(pg_url, key, proof_max_attempts=5, seller_agent_url=SETTINGS.seller_agent_url,
+                           encryption_key=KEY)
+    daemon = procs.start_daemon(env, tmp_path / "proofs.log")  # the buyers prove their URLs first
+    try:
+        assert procs.wait_until(lambda: {s.state for s in listed(pg_engine)} == {"active"}, 60)
+    finally:
+        assert procs.stop(daemon) == 0
+    clock = Clock()
+    store = InMemoryReportingLedgerStore(clock=clock, notifications=True)
+    queue = InMemoryReportingOutbox(store)
+    cipher = ReportingEnvelopeCipher(os.urandom(32))
+    worker = ReportingNotificationWorker(outbox=queue, subscriptions=registry, cipher=cipher, clock=clock)
+    handoff = ReportingHandoff(queue=queue, cipher=cipher, engine=pg_engine, tenant_id="t1", settings=SETTINGS,
+                               clock=clock, lease_seconds=30)
+
+    async def hand_off() -> dict[str, bytes]:
+        await record(store, *causes("buyer-a"), causes("buyer-b")[0])
+        while await worker.expand_one(account_id=ACCOUNT):
+            pass
+        bodies = await sealed_bodies(queue, cipher)
+        # A crash after outboxd committed and before the SDK finish: the lease lapses, the
+        # delivery is claimed again and handed off again.
+        lease = await queue.claim_delivery(account_id=ACCOUNT, now=clock(), lease_seconds=30)
+        opened = cipher.open(lease.delivery)
+        first = handoff._store(lease.delivery.binding, opened.prepared.body)
+        clock.now += timedelta(seconds=31)
+        # Two hand-off workers at once over the same queue.
+        twin = ReportingHandoff(queue=queue, cipher=cipher, engine=pg_engine, tenant_id="t1", settings=SETTINGS,
+                                clock=clock, lease_seconds=30)
+        results = [r for batch in await asyncio.gather(handoff.run_once([ACCOUNT]), twin.run_once([ACCOUNT]))
+                   for r in batch]
+        assert {r.state for r in results} == {"complete"} and all(r.finished for r in results)
+        assert sorted(r.idempotency_key for r in results) == sorted(bodies)
+        again = next(r for r in results if r.idempotency_key == lease.delivery.binding.idempotency_key)
+        assert again.message_id == first  # the stored record, not a second message
+        return bodies
+
+    bodies = asyncio.run(hand_off())
+    assert len(bodies) == 5  # buyer A: three to sub-a, one to sub-c; buyer B: its revision to sub-b
+    assert message_count(pg_engine) == len(bodies)
+    assert all(s.state == "complete" for s in asyncio.run(queue.list_deliveries(account_id=ACCOUNT)))
+
+    # Revoked after the hand-off: its pending message ends `cancelled`, and a later event
+    # for it is suppressed in the SDK instead of handed off.
+    with pg_engine.begin() as conn:
+        assert outbox.remove_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, subscriber_id="sub-c")
+    with pg_engine.connect() as conn:
+        cancelled = conn.execute(select(messages.c.state, messages.c.dead_reason)
+                                 .where(messages.c.subscriber_id == "sub-c",
+                                        messages.c.notification_type.in_(TYPES))).all()
+    assert [tuple(r) for r in cancelled] == [("dead", "cancelled")]
+
+    async def after_revocation() -> list:
+        await record(store, RevisionPublished("rev_buyer-a_2", "buyer-a", "snapshot",
+                                              supersedes_reporting_revision_id="rev_buyer-a"))
+        while await worker.expand_one(account_id=ACCOUNT):
+            pass
+        return await handoff.run_once([ACCOUNT])
+
+    late = asyncio.run(after_revocation())
+    assert sorted(r.state for r in late) == ["complete", "suppressed"]  # sub-a gets it; sub-c is gone
+    bodies.update({k: v for k, v in asyncio.run(sealed_bodies(queue, cipher)).items()
+                   if k in {r.idempotency_key for r in late if r.state == "complete"}})
+
+    daemon = procs.start_daemon(env, tmp_path / "d.log")
+    try:
+        assert procs.wait_until(lambda: settled(pg_engine), 60)
+    finally:
+        assert procs.stop(daemon) == 0
+
+    seen = [a for a in procs.arrivals(log) if a["type"] in TYPES]
+    assert seen and all(a["verified"] for a in seen), [a for a in seen if not a["verified"]]
+    by_key = collections.defaultdict(list)
+    for a in seen:
+        by_key[a["key"]].append(a)
+    sent = {k: v for k, v in bodies.items() if json.loads(v)["subscriber_id"] != "sub-c"}
+    assert set(by_key) == set(sent)  # every handed-off body arrived, the revoked subscriber's never did
+    for idempotency_key, body in sent.items():
+        arrivals = by_key[idempotency_key]
+        assert all(a["body"].encode() == body for a in arrivals)  # the SDK's exact bytes
+        validate_notification_payload(json.loads(body))
+        payload = json.loads(body)
+        expected_path = {"sub-a": "/flaky/2/503/a", "sub-b": "/ok/b"}[payload["subscriber_id"]]
+        assert {a["path"] for a in arrivals} == {expected_path}
+        statuses = [a["status"] for a in arrivals]
+        assert statuses == ([503, 503, 200] if payload["subscriber_id"] == "sub-a" else [200])
+    types_a = {json.loads(sent[k])["notification_type"] for k in sent if json.loads(sent[k])["subscriber_id"] == "sub-a"}
+    assert types_a == set(TYPES)
+    # Buyer A's revisions never reach buyer B.
+    assert all(json.loads(a["body"]).get("reporting_revision_id", "rev_buyer-b") == "rev_buyer-b"
+               for a in seen if a["path"] == "/ok/b")
+
+    with pg_engine.connect() as conn:
+        trail = conn.execute(select(messages.c.idempotency_key, func.count(attempts.c.id))
+                             .join(attempts, attempts.c.message_id == messages.c.id)
+                             .where(messages.c.subscriber_id == "sub-a", messages.c.notification_type.in_(TYPES))
+                             .group_by(messages.c.idempotency_key)).all()
+        records = outbox.webhook_activity(conn, tenant_id="t1", principal_id="buyer-a", settings=SETTINGS)
+    assert {k: n for k, n in trail} == {k: 3 for k in sent if json.loads(sent[k])["subscriber_id"] == "sub-a"}
+    assert {(r["idempotency_key"], r["notification_id"]) for r in records if r["status"] == "success"} == {
+        (k, json.loads(v)["notification_id"]) for k, v in sent.items() if json.loads(v)["subscriber_id"] == "sub-a"}
