@@ -17,7 +17,7 @@ stored message instead of writing another (docs/reporting.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -31,19 +31,14 @@ from outbox.events import SubscriberUnavailable, enqueue_subscriber_body
 from outbox.producer import default_settings
 
 
-class DeliveryQueue(Protocol):
-    """What the hand-off uses of the SDK's ``ReportingNotificationOutbox``."""
+class ExpandingWorker(Protocol):
+    """What the hand-off uses of the SDK's ``ReportingNotificationWorker``: its outbox (the
+    delivery queue), its envelope cipher, and its expansion, which stays the SDK's own."""
 
-    async def claim_delivery(self, *, account_id: str, now: datetime, lease_seconds: float) -> Any: ...
+    outbox: Any
+    cipher: Any
 
-    async def finish_delivery(self, lease: Any, *, now: datetime, state: str, error_code: str | None = None,
-                              retry_at: datetime | None = None) -> bool: ...
-
-
-class EnvelopeCipher(Protocol):
-    """The SDK's ``ReportingEnvelopeCipher``: authenticates and opens a stored delivery."""
-
-    def open(self, delivery: Any) -> Any: ...
+    async def expand_one(self, *, account_id: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -58,24 +53,27 @@ class HandoffResult:
 
 
 class ReportingHandoff:
-    """Hand the SDK's expanded reporting deliveries of one tenant to outboxd.
+    """Hand one tenant's SDK reporting deliveries to outboxd, in place of the SDK's sending.
 
-    ``queue`` and ``cipher`` are the SDK's outbox and envelope cipher (the ones its worker
-    was built with); ``engine`` is outboxd's database. Several hand-offs may run at once:
-    the SDK's delivery lease keeps them apart, and the idempotency key settles a lapsed one.
+    ``worker`` is the SDK's ``ReportingNotificationWorker`` (its outbox, cipher and
+    subscription resolver); ``engine`` is outboxd's database. :meth:`run_once` is the
+    ``notification_worker`` turn the SDK's non-production service calls, or the turn of the
+    loop ``outboxd run`` drives (docs/reporting.md). Several hand-offs may run at once: the
+    SDK's delivery lease keeps them apart, and the idempotency key settles a lapsed one.
     """
 
-    def __init__(self, *, queue: DeliveryQueue, cipher: EnvelopeCipher, engine: Engine, tenant_id: str,
+    def __init__(self, *, worker: ExpandingWorker, engine: Engine, tenant_id: str,
                  settings: Settings | None = None, clock: Callable[[], datetime] | None = None,
                  lease_seconds: float = 60, retry_seconds: float = 5) -> None:
         if lease_seconds < 1 or retry_seconds <= 0:
             raise ValueError("positive retry and at least one second of lease are required")
-        self.queue, self.cipher, self.engine, self.tenant_id = queue, cipher, engine, tenant_id
+        self.worker, self.engine, self.tenant_id = worker, engine, tenant_id
+        self.queue, self.cipher = worker.outbox, worker.cipher
         self.settings = settings or default_settings()
         self._clock = clock or (lambda: datetime.now(timezone.utc))
         self.lease_seconds, self.retry_seconds = lease_seconds, retry_seconds
 
-    def _store(self, binding: Any, body: bytes) -> int:
+    def commit_message(self, binding: Any, body: bytes) -> int:
         """Commit the outboxd message for one opened delivery (its own transaction)."""
         with self.engine.begin() as conn:
             return enqueue_subscriber_body(conn, tenant_id=self.tenant_id, account_id=binding.account_id,
@@ -88,7 +86,7 @@ class ReportingHandoff:
         except ValueError:  # ReportingNotificationError: tampered or undecodable, never sendable
             return "quarantined", "integrity_failure", None
         try:
-            message_id = await asyncio.to_thread(self._store, lease.delivery.binding, opened.prepared.body)
+            message_id = await asyncio.to_thread(self.commit_message, lease.delivery.binding, opened.prepared.body)
         except SubscriberUnavailable:
             return "suppressed", "subscription_changed", None
         except IdempotencyConflictError:
@@ -112,10 +110,22 @@ class ReportingHandoff:
         binding = lease.delivery.binding
         return HandoffResult(binding.delivery_id, binding.idempotency_key, state, message_id, finished)
 
-    async def run_once(self, account_ids: Sequence[str]) -> list[HandoffResult]:
-        """Hand off every delivery now due for these accounts (a turn of the seller's loop)."""
-        results = []
-        for account_id in account_ids:
-            while (result := await self.hand_off_one(account_id=account_id)) is not None:
-                results.append(result)
+    async def _due_account(self, *, delivery: bool) -> str | None:
+        return await self.queue.next_due_account(delivery=delivery, now=self._clock())
+
+    async def run_once(self) -> list[HandoffResult]:
+        """Expand every due event (the SDK's expansion) and hand off every due delivery.
+
+        The SDK's queues name the next account with due work, so no account list is needed.
+        A delivery the hand-off leaves pending is due again only after ``retry_seconds``.
+        """
+        while (account := await self._due_account(delivery=False)) is not None:
+            if not await self.worker.expand_one(account_id=account):
+                break  # another worker claimed it first
+        results: list[HandoffResult] = []
+        while (account := await self._due_account(delivery=True)) is not None:
+            result = await self.hand_off_one(account_id=account)
+            if result is None:
+                break
+            results.append(result)
         return results

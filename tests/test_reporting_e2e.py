@@ -141,8 +141,9 @@ def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp
     registry.add("sub-a", "buyer-a", TYPES)
     registry.add("sub-b", "buyer-b", TYPES)
     registry.add("sub-c", "buyer-a", ("reporting.ledger_changed",))
+    # sub-a's 503s open the origin's breaker (one receiver serves every buyer): keep it open briefly.
     env = procs.daemon_env(pg_url, key, proof_max_attempts=5, seller_agent_url=SETTINGS.seller_agent_url,
-                           encryption_key=KEY)
+                           encryption_key=KEY, breaker_open_seconds=1)
     daemon = procs.start_daemon(env, tmp_path / "proofs.log")  # the buyers prove their URLs first
     try:
         assert procs.wait_until(lambda: {s.state for s in listed(pg_engine)} == {"active"}, 60)
@@ -153,25 +154,24 @@ def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp
     queue = InMemoryReportingOutbox(store)
     cipher = ReportingEnvelopeCipher(os.urandom(32))
     worker = ReportingNotificationWorker(outbox=queue, subscriptions=registry, cipher=cipher, clock=clock)
-    handoff = ReportingHandoff(queue=queue, cipher=cipher, engine=pg_engine, tenant_id="t1", settings=SETTINGS,
-                               clock=clock, lease_seconds=30)
+    handoff = ReportingHandoff(worker=worker, engine=pg_engine, tenant_id="t1", settings=SETTINGS, clock=clock,
+                               lease_seconds=30)
 
     async def hand_off() -> dict[str, bytes]:
         await record(store, *causes("buyer-a"), causes("buyer-b")[0])
-        while await worker.expand_one(account_id=ACCOUNT):
+        while await worker.expand_one(account_id=ACCOUNT):  # the SDK's expansion, unchanged
             pass
         bodies = await sealed_bodies(queue, cipher)
         # A crash after outboxd committed and before the SDK finish: the lease lapses, the
         # delivery is claimed again and handed off again.
         lease = await queue.claim_delivery(account_id=ACCOUNT, now=clock(), lease_seconds=30)
         opened = cipher.open(lease.delivery)
-        first = handoff._store(lease.delivery.binding, opened.prepared.body)
+        first = handoff.commit_message(lease.delivery.binding, opened.prepared.body)
         clock.now += timedelta(seconds=31)
         # Two hand-off workers at once over the same queue.
-        twin = ReportingHandoff(queue=queue, cipher=cipher, engine=pg_engine, tenant_id="t1", settings=SETTINGS,
-                                clock=clock, lease_seconds=30)
-        results = [r for batch in await asyncio.gather(handoff.run_once([ACCOUNT]), twin.run_once([ACCOUNT]))
-                   for r in batch]
+        twin = ReportingHandoff(worker=worker, engine=pg_engine, tenant_id="t1", settings=SETTINGS, clock=clock,
+                                lease_seconds=30)
+        results = [r for batch in await asyncio.gather(handoff.run_once(), twin.run_once()) for r in batch]
         assert {r.state for r in results} == {"complete"} and all(r.finished for r in results)
         assert sorted(r.idempotency_key for r in results) == sorted(bodies)
         again = next(r for r in results if r.idempotency_key == lease.delivery.binding.idempotency_key)
@@ -196,9 +196,7 @@ def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp
     async def after_revocation() -> list:
         await record(store, RevisionPublished("rev_buyer-a_2", "buyer-a", "snapshot",
                                               supersedes_reporting_revision_id="rev_buyer-a"))
-        while await worker.expand_one(account_id=ACCOUNT):
-            pass
-        return await handoff.run_once([ACCOUNT])
+        return await handoff.run_once()  # expands with the SDK's worker, then hands off
 
     late = asyncio.run(after_revocation())
     assert sorted(r.state for r in late) == ["complete", "suppressed"]  # sub-a gets it; sub-c is gone
