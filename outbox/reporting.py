@@ -17,7 +17,7 @@ stored message instead of writing another (docs/reporting.md).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -52,19 +52,53 @@ class HandoffResult:
     finished: bool  # False: the SDK lease lapsed first; the next claim hands it off again (same message)
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """SDK work not yet in outboxd: events not yet expanded, deliveries not yet handed off."""
+
+    expansions: int
+    deliveries: int
+
+
+# adcp-reporting-storage's queue tables: <prefix>expansions and <prefix>deliveries, where
+# leased rows are unfinished too.
+PG_LEDGER_QUEUE = "reporting_notification_"  # PgReportingOutbox: revisions, adjustments, delivery_ready
+PG_STATUS_QUEUE = "reporting_status_notification_"  # PgReportingStatusOutbox: status_changed
+_PG_BACKLOG = ("SELECT (SELECT count(*) FROM {0}expansions WHERE state IN ('pending', 'leased')),"
+               " (SELECT count(*) FROM {0}deliveries WHERE state IN ('pending', 'leased'))")
+
+
+def pg_backlog(pool: Any, queue: str = PG_LEDGER_QUEUE) -> Callable[[], Awaitable[Backlog]]:
+    """The backlog of one of the SDK's PostgreSQL reporting queues (``adcp-reporting-storage``),
+    read through its ``psycopg_pool.AsyncConnectionPool``."""
+    if queue not in (PG_LEDGER_QUEUE, PG_STATUS_QUEUE):
+        raise ValueError(f"{queue!r} is not one of the SDK's reporting queues")
+    query = _PG_BACKLOG.format(queue)
+
+    async def backlog() -> Backlog:
+        async with pool.connection() as conn:
+            row = await (await conn.execute(query)).fetchone()
+        return Backlog(int(row[0]), int(row[1]))
+
+    return backlog
+
+
 class ReportingHandoff:
     """Hand one tenant's SDK reporting deliveries to outboxd, in place of the SDK's sending.
 
     ``worker`` is the SDK's ``ReportingNotificationWorker`` (its outbox, cipher and
     subscription resolver); ``engine`` is outboxd's database. :meth:`run_once` is the
     ``notification_worker`` turn the SDK's non-production service calls, or the turn of the
-    loop ``outboxd run`` drives (docs/reporting.md). Several hand-offs may run at once: the
+    loop ``outboxd run`` drives (docs/reporting.md). ``backlog`` (e.g. :func:`pg_backlog`)
+    feeds the metric and ``outboxd reporting``; ``close`` releases the seller's resources. Several hand-offs may run at once: the
     SDK's delivery lease keeps them apart, and the idempotency key settles a lapsed one.
     """
 
     def __init__(self, *, worker: ExpandingWorker, engine: Engine, tenant_id: str,
                  settings: Settings | None = None, clock: Callable[[], datetime] | None = None,
-                 lease_seconds: float = 60, retry_seconds: float = 5) -> None:
+                 lease_seconds: float = 60, retry_seconds: float = 5,
+                 backlog: Callable[[], Awaitable[Backlog]] | None = None,
+                 close: Callable[[], Awaitable[None]] | None = None) -> None:
         if lease_seconds < 1 or retry_seconds <= 0:
             raise ValueError("positive retry and at least one second of lease are required")
         self.worker, self.engine, self.tenant_id = worker, engine, tenant_id
@@ -72,6 +106,16 @@ class ReportingHandoff:
         self.settings = settings or default_settings()
         self._clock = clock or (lambda: datetime.now(timezone.utc))
         self.lease_seconds, self.retry_seconds = lease_seconds, retry_seconds
+        self._backlog, self._close = backlog, close
+
+    async def backlog(self) -> Backlog | None:
+        """What is still waiting in the SDK's queues (``None``: the queue cannot say)."""
+        return None if self._backlog is None else await self._backlog()
+
+    async def aclose(self) -> None:
+        """Release what the seller's factory opened for this hand-off (its pools)."""
+        if self._close is not None:
+            await self._close()
 
     def commit_message(self, binding: Any, body: bytes) -> int:
         """Commit the outboxd message for one opened delivery (its own transaction)."""

@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "supervisor.cli_keys",
     "supervisor.cli_encryption",
     "supervisor.cli_subscribers",
+    "supervisor.cli_reporting",
 )
 
 

@@ -39,6 +39,7 @@ from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
+from supervisor.reporting_handoff import run_handoff
 from supervisor.resealer import Resealer
 from outbox.bodies import encryption_summary
 from supervisor.transport import HttpSender
@@ -179,6 +180,8 @@ class Daemon:
             background.append(asyncio.create_task(
                 Resealer(self.engine, keys, outage=self.outage, on_resealed=self.metrics.bodies_resealed.inc).run(),
                 name="resealer"))
+        if self.settings.reporting_handoff:  # docs/reporting.md: the SDK's notifications, sent by outboxd
+            background.append(asyncio.create_task(run_handoff(self.settings, self.metrics), name="reporting"))
         if is_postgresql(self.settings.database_url):
             background.append(asyncio.create_task(listen(self.settings.database_url, self.claimer.wake),
                                                   name="wakeup"))

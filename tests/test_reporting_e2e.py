@@ -16,6 +16,7 @@ import collections
 import json
 import os
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -39,9 +40,11 @@ from adcp.reporting.outbox import (
 )
 from outbox.reporting import ReportingHandoff
 from outbox.schema import attempts, messages
+from supervisor import cli
 from tests import procs
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
 ACCOUNT = "acct_glow"
 TYPES = ("reporting.delivery_ready", "reporting.ledger_changed", "reporting.status_changed")
 KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
@@ -125,10 +128,12 @@ def settled(engine) -> bool:
     return bool(states) and all(s in ("delivered", "dead") for s in states)
 
 
-@pytest.fixture()
-def receiver(tmp_path):
-    key, jwks = procs.make_key(tmp_path)
-    with procs.receiver(tmp_path, jwks, log_bodies=True) as (port, log):
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory):
+    """One verifying receiver for the file (starting the SDK's verifier is the slow part)."""
+    directory = tmp_path_factory.mktemp("receiver")
+    key, jwks = procs.make_key(directory)
+    with procs.receiver(directory, jwks, log_bodies=True) as (port, log):
         yield key, f"http://127.0.0.1:{port}", log
 
 
@@ -209,7 +214,7 @@ def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp
     finally:
         assert procs.stop(daemon) == 0
 
-    seen = [a for a in procs.arrivals(log) if a["type"] in TYPES]
+    seen = [a for a in procs.arrivals(log) if a["type"] in TYPES and a["path"] in ("/flaky/2/503/a", "/ok/b", "/ok/c")]
     assert seen and all(a["verified"] for a in seen), [a for a in seen if not a["verified"]]
     by_key = collections.defaultdict(list)
     for a in seen:
@@ -240,3 +245,74 @@ def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp
     assert {k: n for k, n in trail} == {k: 3 for k in sent if json.loads(sent[k])["subscriber_id"] == "sub-a"}
     assert {(r["idempotency_key"], r["notification_id"]) for r in records if r["status"] == "success"} == {
         (k, json.loads(v)["notification_id"]) for k, v in sent.items() if json.loads(v)["subscriber_id"] == "sub-a"}
+
+
+async def record_in_postgres(pool, *items) -> list:
+    """Events written in one transaction of the SDK's PostgreSQL ledger store."""
+    from adcp_reporting_storage import PgReportingLedgerStore
+
+    store = PgReportingLedgerStore(pool=pool, notifications=True)
+    events = [new_event(ACCOUNT, cause, START) for cause in items]
+    async with pool.connection() as conn, conn.transaction():
+        for event in events:
+            await store._record_notification(conn, event)
+    return events
+
+
+def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg_url, tmp_path, receiver,
+                                                                   monkeypatch, capsys):
+    from adcp_reporting_storage.outbox.pg import PgReportingOutbox
+    from adcp_reporting_storage.outbox.status_pg import PgReportingStatusOutbox
+    from psycopg_pool import AsyncConnectionPool
+    from sqlalchemy.engine import make_url
+
+    key, base, log = receiver
+    register(pg_engine, "dm-a", "buyer-a", f"{base}/ok/dm-a")
+    register(pg_engine, "dm-b", "buyer-b", f"{base}/ok/dm-b", ("reporting.ledger_changed",))
+    conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+    async def with_pool(work):
+        async with AsyncConnectionPool(conninfo, min_size=1, max_size=2) as pool:
+            return await work(pool)
+
+    async def create_schemas(pool) -> None:
+        await PgReportingOutbox(pool=pool).create_schema()
+        await PgReportingStatusOutbox(pool=pool).create_schema()
+
+    asyncio.run(with_pool(create_schemas))
+    env = procs.daemon_env(pg_url, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY,
+                           reporting_handoff="reporting_handoff:build")
+    env.update(REPORTING_TENANT_ID="t1", REPORTING_CIPHER_KEY="MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "docs" / "examples"), env.get("PYTHONPATH", "")]))
+    daemon = procs.start_daemon(env, tmp_path / "d.log")
+    try:
+        assert procs.wait_until(lambda: {s.state for s in listed(pg_engine)} == {"active"}, 60)
+        # Status changes wait in the SDK's status queue for its status projector (the
+        # factory hands that queue off too); the ledger queue carries the other two types.
+        ledger_causes = [c for c in causes("buyer-a") if not isinstance(c, StatusChanged)]
+        events = asyncio.run(with_pool(lambda pool: record_in_postgres(pool, *ledger_causes,
+                                                                       causes("buyer-b")[0])))
+        assert procs.wait_until(lambda: message_count(pg_engine) == 3 and settled(pg_engine), 60), \
+            (tmp_path / "d.log").read_text()[-3000:]
+        # `outboxd reporting --json`, in this process (the SDK is imported here already).
+        for name in ("OUTBOX_DATABASE_URL", "OUTBOX_REPORTING_HANDOFF", "OUTBOX_ENCRYPTION_KEY",
+                     "REPORTING_TENANT_ID", "REPORTING_CIPHER_KEY"):
+            monkeypatch.setenv(name, env[name])
+        monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
+        capsys.readouterr()
+        assert cli.main(["reporting", "--json"]) == 0
+        shown = capsys.readouterr().out
+    finally:
+        assert procs.stop(daemon) == 0
+    report = json.loads(shown)
+    assert report["backlog"] == {"expansions": 0, "deliveries": 0}
+    assert report["messages"] == {"delivered": 3}
+    seen = [a for a in procs.arrivals(log) if a["path"] in ("/ok/dm-a", "/ok/dm-b") and a["type"] in TYPES]
+    assert all(a["verified"] for a in seen) and len(seen) == 3
+    ids = {e.notification_id: e.consumer_namespace for e in events}
+    for a in seen:
+        payload = json.loads(a["body"])
+        validate_notification_payload(payload)
+        assert ids[payload["notification_id"]] == {"/ok/dm-a": "buyer-a", "/ok/dm-b": "buyer-b"}[a["path"]]
+    assert {json.loads(a["body"])["notification_type"] for a in seen if a["path"] == "/ok/dm-a"} == {
+        "reporting.ledger_changed", "reporting.delivery_ready"}
