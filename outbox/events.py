@@ -24,7 +24,7 @@ from sqlalchemy import select
 from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
-from outbox.identity import EnqueuedMessage, decode_body, store_bound
+from outbox.identity import EnqueuedMessage, store_bound
 from outbox.producer import (
     Conn,
     _as_mapping,
@@ -38,6 +38,7 @@ from outbox.producer import (
     _tenant,
     _timestamp,
     default_settings,
+    exact_body,
     principal,
 )
 from outbox.schema import subscribers
@@ -158,12 +159,7 @@ def enqueue_subscriber_body(
     wanted = _check_string(subscriber_id, "subscriber_id")
     owner = _check_string(principal_id, "principal_id")
     raw = bytes(body)
-    if len(raw) > protocol.MAX_BODY_BYTES:
-        raise OutboxValidationError("body", f"the webhook body is {len(raw)} bytes, over the 1 MiB limit")
-    content = decode_body(raw)
-    if content is None:
-        raise OutboxValidationError("body", "must be a UTF-8 JSON object")
-    key = _check_string(content.get("idempotency_key"), "body.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+    content, key = exact_body(raw, "body")
     notification_type = _member(content.get("notification_type"), protocol.ACCOUNT_EVENT_TYPES,
                                 "body.notification_type", "an account-anchored type")
     if (content.get("account_id"), content.get("subscriber_id")) != (account, wanted):

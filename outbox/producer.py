@@ -343,6 +343,17 @@ def enqueue_delivery_report(
     return existing_twin(connection, row, keys)
 
 
+def exact_body(body: bytes, field: str) -> tuple[dict[str, Any], str]:
+    """A body given as the exact bytes to send: its JSON object and its ``idempotency_key``."""
+    if len(body) > protocol.MAX_BODY_BYTES:
+        raise OutboxValidationError(field, f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
+    decoded = decode_body(body)
+    if decoded is None:
+        raise OutboxValidationError(field, "must be a UTF-8 JSON object")
+    key = _check_string(decoded.get("idempotency_key"), f"{field}.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+    return decoded, key
+
+
 def enqueue(
     conn: Conn,
     *,
@@ -372,12 +383,7 @@ def enqueue(
                                  require_operation_id=False)
     if isinstance(payload, (bytes, bytearray)):
         body = bytes(payload)
-        if len(body) > protocol.MAX_BODY_BYTES:
-            raise OutboxValidationError("payload", f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
-        decoded = decode_body(body)
-        if decoded is None:
-            raise OutboxValidationError("payload", "must be a UTF-8 JSON object")
-        key = _check_string(decoded.get("idempotency_key"), "payload.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+        decoded, key = exact_body(body, "payload")
         if idempotency_key is not None and idempotency_key != key:
             raise OutboxValidationError("idempotency_key", "differs from payload.idempotency_key")
     else:
