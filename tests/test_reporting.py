@@ -132,6 +132,29 @@ def test_removing_a_subscriber_cancels_its_unsent_messages(engine, cfg):
     assert found["a-2"] == (kept, "pending", None, None)
 
 
+def test_a_cancelled_message_is_never_replayed(engine, cfg):
+    from outbox.db import make_async_engine
+    from supervisor.replay import replay
+
+    register(engine, cfg, "a-1", "buyer-a")
+    prove_all(engine)
+    message_id = store(engine, cfg, "a-1", "buyer-a", ledger_body("a-1"))
+    with engine.begin() as conn:
+        outbox.remove_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, subscriber_id="a-1")
+
+    async def replayed() -> tuple:
+        async_engine = make_async_engine(engine.url)
+        try:
+            result = await replay(async_engine, ids=[message_id], horizon_seconds=86_400, force=True)
+        finally:
+            await async_engine.dispose()
+        return result.replayed, [r["why"] for r in result.refused]
+
+    assert asyncio.run(replayed()) == ([], ["its subscriber was removed"])
+    with engine.connect() as conn:
+        assert conn.execute(select(messages.c.dead_reason).where(messages.c.id == message_id)).scalar() == "cancelled"
+
+
 def test_the_sdk_resolver_sees_proven_subscribers_of_a_principal_only(engine, cfg):
     register(engine, cfg, "a-1", "buyer-a")
     register(engine, cfg, "nobody", None)
