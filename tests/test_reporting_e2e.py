@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 import outbox
 from adcp.reporting.ledger import InMemoryReportingLedgerStore
@@ -47,6 +47,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 ACCOUNT = "acct_glow"
 TYPES = ("reporting.delivery_ready", "reporting.ledger_changed", "reporting.status_changed")
+LEDGER = "reporting.ledger_changed"
 KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
 SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
                                      "OUTBOX_SELLER_AGENT_URL": "https://seller.example/adcp",
@@ -83,9 +84,9 @@ class Registry:
         return self.subscriptions.get(subscriber_id)
 
 
-def register(engine, sid: str, principal: str, url: str, event_types=TYPES) -> None:
+def register(engine, sid: str, principal: str, url: str, event_types=TYPES, tenant: str = "t1") -> None:
     with engine.begin() as conn:
-        outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, principal_id=principal,
+        outbox.register_subscriber(conn, tenant_id=tenant, account_id=ACCOUNT, principal_id=principal,
                                    notification_config={"subscriber_id": sid, "url": url,
                                                         "event_types": list(event_types)}, settings=SETTINGS)
 
@@ -134,11 +135,11 @@ def receiver(tmp_path_factory):
     directory = tmp_path_factory.mktemp("receiver")
     key, jwks = procs.make_key(directory)
     with procs.receiver(directory, jwks, log_bodies=True) as (port, log):
-        yield key, f"http://127.0.0.1:{port}", log
+        yield key, f"http://127.0.0.1:{port}", log, jwks
 
 
 def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp_path, receiver):
-    key, base, log = receiver
+    key, base, log, _ = receiver
     register(pg_engine, "sub-a", "buyer-a", f"{base}/flaky/2/503/a")  # 503, 503, then 200 for every key
     register(pg_engine, "sub-b", "buyer-b", f"{base}/ok/b")
     register(pg_engine, "sub-c", "buyer-a", f"{base}/ok/c", ("reporting.ledger_changed",))
@@ -266,7 +267,7 @@ def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg
     from psycopg_pool import AsyncConnectionPool
     from sqlalchemy.engine import make_url
 
-    key, base, log = receiver
+    key, base, log, _ = receiver
     register(pg_engine, "dm-a", "buyer-a", f"{base}/ok/dm-a")
     register(pg_engine, "dm-b", "buyer-b", f"{base}/ok/dm-b", ("reporting.ledger_changed",))
     conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -316,3 +317,50 @@ def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg
         assert ids[payload["notification_id"]] == {"/ok/dm-a": "buyer-a", "/ok/dm-b": "buyer-b"}[a["path"]]
     assert {json.loads(a["body"])["notification_type"] for a in seen if a["path"] == "/ok/dm-a"} == {
         "reporting.ledger_changed", "reporting.delivery_ready"}
+
+
+def test_an_always_failing_buyer_expires_at_the_horizon_without_delaying_another_tenant(pg_engine, pg_url, tmp_path,
+                                                                                        receiver):
+    key, base, log, jwks = receiver
+    env = procs.daemon_env(pg_url, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY)
+    with procs.receiver(tmp_path, jwks, name="down") as (down_port, _):
+        register(pg_engine, "down", "buyer-a", f"http://127.0.0.1:{down_port}/ok/down", (LEDGER,), tenant="t1")
+        register(pg_engine, "up", "buyer-a", f"{base}/ok/up", (LEDGER,), tenant="t2")
+        daemon = procs.start_daemon(env, tmp_path / "proofs.log")
+        try:
+            assert procs.wait_until(lambda: settled(pg_engine), 60)
+        finally:
+            assert procs.stop(daemon) == 0
+    # Tenant t1's buyer endpoint is gone now (connections refused); t2's answers.
+    handed = {}
+    for tenant, sid in (("t1", "down"), ("t2", "up")):
+        registry = Registry()
+        registry.add(sid, "buyer-a", (LEDGER,))
+        clock = Clock()
+        store = InMemoryReportingLedgerStore(clock=clock, notifications=True)
+        worker = ReportingNotificationWorker(outbox=InMemoryReportingOutbox(store), subscriptions=registry,
+                                             cipher=ReportingEnvelopeCipher(os.urandom(32)), clock=clock)
+        handoff = ReportingHandoff(worker=worker, engine=pg_engine, tenant_id=tenant, settings=SETTINGS, clock=clock)
+
+        async def hand_off() -> list:
+            await record(store, causes("buyer-a")[0])
+            return await handoff.run_once()
+
+        (result,) = asyncio.run(hand_off())
+        handed[tenant] = result.message_id
+    # This test's short horizon: as if enqueued a day less 66 s ago, so its last try (a minute
+    # before the horizon, supervisor/completer.py) is due in about 6 s.
+    with pg_engine.begin() as conn:
+        conn.execute(update(messages).where(messages.c.id == handed["t1"])
+                     .values(created_at=messages.c.created_at - 86_400 + 66))
+    daemon = procs.start_daemon(env, tmp_path / "d.log")
+    try:
+        assert procs.wait_until(lambda: settled(pg_engine), 60)
+    finally:
+        assert procs.stop(daemon) == 0
+    with pg_engine.connect() as conn:
+        down, up = (conn.execute(select(messages).where(messages.c.id == handed[t])).one() for t in ("t1", "t2"))
+    assert (down.state, down.dead_reason) == ("dead", "expired") and down.attempts >= 2
+    assert (up.state, up.attempts) == ("delivered", 1)
+    assert up.finished_at < down.finished_at - 2  # delivered while the other tenant's buyer kept failing
+    assert [a["path"] for a in procs.arrivals(log) if a["key"] == up.idempotency_key] == ["/ok/up"]
