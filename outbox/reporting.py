@@ -26,7 +26,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.config import Settings
-from outbox.errors import IdempotencyConflictError
+from outbox.errors import ConfigurationError, IdempotencyConflictError, OutboxValidationError
 from outbox.events import SubscriberUnavailable, enqueue_subscriber_body
 from outbox.producer import default_settings
 
@@ -137,6 +137,10 @@ class ReportingHandoff:
             # The key is already stored with another destination (the subscriber's URL
             # changed after an earlier hand-off committed): that message is this delivery's.
             return "complete", None, None
+        except ConfigurationError:  # e.g. a legacy credential and no OUTBOX_ENCRYPTION_KEY: fixable
+            return "pending", "invalid_configuration", None
+        except OutboxValidationError:  # a body outboxd refuses: never sendable, and must not stall the rest
+            return "quarantined", "invalid_payload", None
         except SQLAlchemyError:
             return "pending", "network", None  # outboxd's database is unreachable: try again later
         return "complete", None, message_id

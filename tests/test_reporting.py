@@ -155,6 +155,39 @@ def test_a_cancelled_message_is_never_replayed(engine, cfg):
         assert conn.execute(select(messages.c.dead_reason).where(messages.c.id == message_id)).scalar() == "cancelled"
 
 
+def test_a_delivery_that_does_not_open_is_quarantined_and_nothing_is_stored(engine, cfg):
+    from datetime import datetime, timezone
+
+    from adcp.reporting.ledger import InMemoryReportingLedgerStore
+    from adcp.reporting.ledger.notification_models import RevisionPublished, new_event
+    from adcp.reporting.outbox import InMemoryReportingOutbox, ReportingEnvelopeCipher, ReportingNotificationWorker
+    from outbox.reporting import ReportingHandoff
+
+    register(engine, cfg, "a-1", "buyer-a")
+    prove_all(engine)
+    now = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
+    ledger = InMemoryReportingLedgerStore(clock=lambda: now, notifications=True)
+    queue = InMemoryReportingOutbox(ledger)
+    resolver = OutboxSubscriptionResolver(engine, "t1", cfg)
+    sealing = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
+                                          cipher=ReportingEnvelopeCipher(b"k" * 32))
+    other_key = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
+                                            cipher=ReportingEnvelopeCipher(b"x" * 32))
+
+    async def run() -> list:
+        async with ledger._mutation():
+            ledger._record_notification(new_event(ACCOUNT, RevisionPublished("rev_1", "buyer-a", "snapshot"), now))
+        assert await sealing.expand_one(account_id=ACCOUNT)
+        handoff = ReportingHandoff(worker=other_key, engine=engine, tenant_id="t1", settings=cfg, clock=lambda: now)
+        return await handoff.run_once()
+
+    (result,) = asyncio.run(run())
+    assert (result.state, result.message_id, result.finished) == ("quarantined", None, True)
+    (status,) = asyncio.run(queue.list_deliveries(account_id=ACCOUNT))
+    assert (status.state, status.error_code) == ("quarantined", "integrity_failure")
+    assert fired_to(engine, LEDGER) == []
+
+
 def test_the_sdk_resolver_sees_proven_subscribers_of_a_principal_only(engine, cfg):
     register(engine, cfg, "a-1", "buyer-a")
     register(engine, cfg, "nobody", None)
@@ -174,6 +207,9 @@ def test_the_sdk_resolver_sees_proven_subscribers_of_a_principal_only(engine, cf
 
 @hsettings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.one_of(st.binary(max_size=200),
+                     st.dictionaries(st.text(max_size=12), st.one_of(st.text(max_size=20), st.integers(), st.none()),
+                                     max_size=4)  # a valid body with extra fields of any kind
+                     .map(lambda extra: json.dumps({**extra, **json.loads(ledger_body("a-1"))}).encode()),
                      st.dictionaries(st.sampled_from(["idempotency_key", "notification_type", "account_id",
                                                       "subscriber_id", "notification_id"]),
                                      st.one_of(st.text(max_size=40), st.integers(), st.none()))
