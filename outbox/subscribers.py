@@ -230,7 +230,8 @@ def register_subscriber(
     Validated like enqueue (URL rules, ``event_types`` against the account-anchored enum,
     legacy credentials sealed). An unchanged entry changes nothing. A new or changed URL,
     event set or auth on an active entry needs a fresh proof (state ``pending_proof``);
-    a paused entry (``active: false``) is stored and never fired to. Re-activating a
+    a paused entry (``active: false``) is stored and never fired to (pausing ends its unsent
+    fires dead ``cancelled``). Re-activating a
     configuration whose proof already succeeded needs no new proof; re-sending one whose
     proof failed tries the proof again.
     """
@@ -260,6 +261,8 @@ def register_subscriber(
         secret = seal_credential(settings, tenant, account, subscriber_id, registration.credentials)
     if row is not None and row.state == "pending_proof" and not keep_proof:
         _cancel_proof(connection, row, "subscriber changed before its URL proof completed")
+    if row is not None and state == "paused":  # paused is revoked: nothing more is sent
+        connection.execute(cancel_pending([row.id], "subscriber paused"))
     values = {"principal_id": owner, "url": registration.url, "event_types": json.dumps(events),
               "auth_mode": registration.auth_mode, "auth_secret": secret, "active": active, "state": state,
               "config_sha256": digest}

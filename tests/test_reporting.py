@@ -117,18 +117,25 @@ def test_a_body_reaches_only_a_live_subscriber_of_its_own_principal(engine, cfg)
     assert fired_to(engine, LEDGER) == []
 
 
-def test_removing_a_subscriber_cancels_its_unsent_messages(engine, cfg):
+@pytest.mark.parametrize("revoke", ["remove", "pause"])
+def test_revoking_a_subscriber_cancels_its_unsent_messages(engine, cfg, revoke):
     register(engine, cfg, "a-1", "buyer-a")
     register(engine, cfg, "a-2", "buyer-a")
     prove_all(engine)
     store(engine, cfg, "a-1", "buyer-a", ledger_body("a-1"))
     kept = store(engine, cfg, "a-2", "buyer-a", ledger_body("a-2"))
     with engine.begin() as conn:
-        assert outbox.remove_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, subscriber_id="a-1")
+        if revoke == "remove":
+            assert outbox.remove_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, subscriber_id="a-1")
+        else:
+            outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, principal_id="buyer-a", settings=cfg,
+                                       notification_config={"subscriber_id": "a-1", "url": "http://127.0.0.1:9/a-1",
+                                                            "event_types": [LEDGER, "account.status_changed"],
+                                                            "active": False})
     with engine.connect() as conn:
         found = {r.subscriber_id: (r.id, r.state, r.dead_reason, r.last_error)
                  for r in conn.execute(select(messages).where(messages.c.notification_type == LEDGER))}
-    assert found["a-1"][1:] == ("dead", "cancelled", "subscriber removed")
+    assert found["a-1"][1:] == ("dead", "cancelled", {"remove": "subscriber removed", "pause": "subscriber paused"}[revoke])
     assert found["a-2"] == (kept, "pending", None, None)
 
 
