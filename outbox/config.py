@@ -179,6 +179,9 @@ class Settings:
     seller_agent_url: str | None = None
     proof_max_attempts: int = 8
     activity_retention_days: int = MIN_ACTIVITY_RETENTION_DAYS
+    # docs/reporting.md: ``package.module:factory`` returning the seller's
+    # ``outbox.reporting.ReportingHandoff``; ``outboxd run`` then drives it.
+    reporting_handoff: str | None = None
 
     def __post_init__(self) -> None:
         for name, bounds in NUMERIC_BOUNDS.items():

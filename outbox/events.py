@@ -5,6 +5,11 @@ own message (own ``idempotency_key``, its ``subscriber_id`` echoed), all sharing
 ``notification_id`` (AdCP 3.2 account-anchored webhook payloads, e.g.
 https://adcontextprotocol.org/schemas/3.2.4/core/account-status-changed-webhook.json).
 A fire for a subscriber still proving its URL is *held* (see :mod:`outbox.subscribers`).
+Principal-scoped types (the reporting notifications, :data:`outbox.protocol.PRINCIPAL_SCOPED_TYPES`)
+fan out only to the subscribers the given buyer principal registered.
+
+:func:`enqueue_subscriber_body` stores one body another system already rendered for one
+subscriber (the SDK's reporting hand-off, docs/reporting.md), with its bytes unchanged.
 """
 
 from __future__ import annotations
@@ -19,11 +24,10 @@ from sqlalchemy import select
 from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
-from outbox.identity import store_bound
+from outbox.identity import EnqueuedMessage, store_bound
 from outbox.keyset import producer_keys
 from outbox.producer import (
     Conn,
-    EnqueuedMessage,
     _as_mapping,
     _check_string,
     _connection,
@@ -35,6 +39,8 @@ from outbox.producer import (
     _tenant,
     _timestamp,
     default_settings,
+    exact_body,
+    principal,
 )
 from outbox.schema import subscribers
 from outbox.subscribers import HOLD_UNTIL, open_credential
@@ -46,6 +52,27 @@ def _credentials(row: Any, settings: Settings) -> str | None:
     return None if row.auth_secret is None else open_credential(settings, row)
 
 
+def _scoped_owner(notification_type: str, principal_id: Any) -> str | None:
+    """The principal a fire of this type is restricted to (``None``: the whole account)."""
+    owner = principal(principal_id)
+    if owner is None and notification_type in protocol.PRINCIPAL_SCOPED_TYPES:
+        raise OutboxValidationError("principal_id", f"is required for {notification_type} (a principal-scoped type)")
+    return owner
+
+
+def _fire(tenant: str, account: str, row: Any, key: str, body: bytes, content: Mapping[str, Any],
+          notification_type: str, event_id: str | None, settings: Settings) -> dict[str, Any]:
+    """The message row of one fire to subscriber ``row``: its URL and auth, attributed to it,
+    held while its URL proof is pending."""
+    registration = _Registration(row.url, None, None, row.auth_mode, _credentials(row, settings))
+    columns: dict[str, Any] = {"notification_type": notification_type, "notification_id": event_id,
+                               "account_id": account, "subscriber_id": row.subscriber_id,
+                               "subscriber_ref": row.id, "principal_id": row.principal_id}
+    if row.state == "pending_proof":
+        columns.update(held=True, next_attempt_at=HOLD_UNTIL)
+    return _row(tenant, registration, key, body, content, settings, columns)
+
+
 def enqueue_event(
     conn: Conn,
     *,
@@ -54,6 +81,7 @@ def enqueue_event(
     notification_type: str,
     payload: Mapping[str, Any],
     notification_id: str | None = None,
+    principal_id: str | None = None,
     settings: Settings | None = None,
 ) -> list[EnqueuedMessage]:
     """Enqueue one account-anchored event for every matching subscriber, in the caller's
@@ -62,12 +90,14 @@ def enqueue_event(
     ``payload`` is the event's own fields (``account_id``, ``status``, ...); this function
     adds ``idempotency_key``, ``notification_id`` (the caller's, or one minted per call),
     ``notification_type``, ``fired_at`` and ``subscriber_id``. Paused and failed
-    subscribers get nothing; the filter is never widened.
+    subscribers get nothing; the filter is never widened. ``principal_id`` (required for a
+    principal-scoped type) restricts the fan-out to the subscribers that principal registered.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
     account = _check_string(account_id, "account_id")
     _member(notification_type, protocol.ACCOUNT_EVENT_TYPES, "notification_type", "an account-anchored type")
+    owner = _scoped_owner(notification_type, principal_id)
     event_id = (f"evt_{uuid.uuid4().hex}" if notification_id is None
                 else _check_string(notification_id, "notification_id", protocol.NOTIFICATION_ID_RE))
     fields = dict(_as_mapping(payload, "payload"))
@@ -80,6 +110,8 @@ def enqueue_event(
     query = (select(subscribers).where(subscribers.c.tenant_id == tenant, subscribers.c.account_id == account,
                                        subscribers.c.state.in_(("active", "pending_proof")))
              .order_by(subscribers.c.subscriber_id))
+    if owner is not None:
+        query = query.where(subscribers.c.principal_id == owner)
     if connection.dialect.name == "postgresql":
         # A proof settling concurrently waits for this transaction (and then releases the
         # fires it holds), or this one reads the subscriber as already active: never a fire
@@ -93,12 +125,58 @@ def enqueue_event(
         key = _idempotency_key(None)
         content = {"idempotency_key": key, "notification_id": event_id, "notification_type": notification_type,
                    "fired_at": fired_at, "subscriber_id": row.subscriber_id, **fields}
-        registration = _Registration(row.url, None, None, row.auth_mode, _credentials(row, settings))
-        columns: dict[str, Any] = {"notification_type": notification_type, "notification_id": event_id,
-                                   "account_id": account, "subscriber_id": row.subscriber_id,
-                                   "subscriber_ref": row.id, "principal_id": row.principal_id}
-        if row.state == "pending_proof":
-            columns.update(held=True, next_attempt_at=HOLD_UNTIL)
-        fires.append(_row(tenant, registration, key, _render(content), content, settings, columns))
+        fires.append(_fire(tenant, account, row, key, _render(content), content, notification_type, event_id,
+                           settings))
     keys = producer_keys(connection, settings)
     return [store_bound(connection, fire, keys) for fire in fires]
+
+
+class SubscriberUnavailable(OutboxValidationError):
+    """The subscriber a body was rendered for is gone, paused, unsubscribed from its type or
+    registered by another principal: the body must not be sent (not a retryable failure)."""
+
+
+def enqueue_subscriber_body(
+    conn: Conn,
+    *,
+    tenant_id: str,
+    account_id: str,
+    subscriber_id: str,
+    principal_id: str,
+    body: bytes,
+    settings: Settings | None = None,
+) -> EnqueuedMessage:
+    """Store ``body`` (exact bytes, already rendered for this subscriber) as one fire to the
+    subscriber ``(tenant, account, subscriber_id)``, in the caller's transaction.
+
+    The body must be a JSON object naming this account and subscriber, an account-anchored
+    ``notification_type`` and a valid ``idempotency_key``; the key is the message's identity,
+    so storing the same body again (a hand-off retried after a crash) returns the stored
+    record. Raises :class:`SubscriberUnavailable` unless the subscriber is active or proving
+    its URL, subscribes to the type and was registered by ``principal_id``.
+    """
+    settings = settings or default_settings()
+    tenant = _tenant(tenant_id)
+    account = _check_string(account_id, "account_id")
+    wanted = _check_string(subscriber_id, "subscriber_id")
+    owner = _check_string(principal_id, "principal_id")
+    raw = bytes(body)
+    content, key = exact_body(raw, "body")
+    notification_type = _member(content.get("notification_type"), protocol.ACCOUNT_EVENT_TYPES,
+                                "body.notification_type", "an account-anchored type")
+    if (content.get("account_id"), content.get("subscriber_id")) != (account, wanted):
+        raise OutboxValidationError("body", "names another account or subscriber")
+    event_id = content.get("notification_id")
+    _check_string(event_id, "body.notification_id", protocol.NOTIFICATION_ID_RE)
+    connection = _connection(conn)
+    query = select(subscribers).where(subscribers.c.tenant_id == tenant, subscribers.c.account_id == account,
+                                      subscribers.c.subscriber_id == wanted)
+    if connection.dialect.name == "postgresql":
+        query = query.with_for_update(read=True)  # a concurrent revocation waits, or runs first and is seen
+    row = connection.execute(query).first()
+    if (row is None or row.state not in ("active", "pending_proof") or row.principal_id != owner
+            or notification_type not in json.loads(row.event_types)):
+        raise SubscriberUnavailable("subscriber_id", f"{wanted!r} is not an active {notification_type} subscriber "
+                                                     "of this principal")
+    fire = _fire(tenant, account, row, key, raw, content, notification_type, event_id, settings)
+    return store_bound(connection, fire, producer_keys(connection, settings))

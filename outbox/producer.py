@@ -347,6 +347,17 @@ def enqueue_delivery_report(
     return existing_twin(connection, row, keys)
 
 
+def exact_body(body: bytes, field: str) -> tuple[dict[str, Any], str]:
+    """A body given as the exact bytes to send: its JSON object and its ``idempotency_key``."""
+    if len(body) > protocol.MAX_BODY_BYTES:
+        raise OutboxValidationError(field, f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
+    decoded = decode_body(body)
+    if decoded is None:
+        raise OutboxValidationError(field, "must be a UTF-8 JSON object")
+    key = _check_string(decoded.get("idempotency_key"), f"{field}.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+    return decoded, key
+
+
 def enqueue(
     conn: Conn,
     *,
@@ -359,13 +370,16 @@ def enqueue(
     horizon_seconds: int | None = None,
     principal_id: str | None = None,
     media_buy_id: str | None = None,
+    account_id: str | None = None,
+    subscriber_id: str | None = None,
     settings: Settings | None = None,
 ) -> EnqueuedMessage:
     """Enqueue any other AdCP notification body on the same delivery contract (docs/protocol.md "Webhook bodies").
 
     ``payload`` is a mapping (its ``idempotency_key`` is set, or minted) or the exact JSON
     bytes to send, which must be an object carrying a valid ``idempotency_key``.
-    ``principal_id`` and ``media_buy_id`` attribute it in :func:`outbox.webhook_activity`.
+    ``principal_id``, ``media_buy_id``, ``account_id`` and ``subscriber_id`` attribute it in
+    :func:`outbox.webhook_activity`.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -373,12 +387,7 @@ def enqueue(
                                  require_operation_id=False)
     if isinstance(payload, (bytes, bytearray)):
         body = bytes(payload)
-        if len(body) > protocol.MAX_BODY_BYTES:
-            raise OutboxValidationError("payload", f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
-        decoded = decode_body(body)
-        if decoded is None:
-            raise OutboxValidationError("payload", "must be a UTF-8 JSON object")
-        key = _check_string(decoded.get("idempotency_key"), "payload.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+        decoded, key = exact_body(body, "payload")
         if idempotency_key is not None and idempotency_key != key:
             raise OutboxValidationError("idempotency_key", "differs from payload.idempotency_key")
     else:
@@ -394,6 +403,8 @@ def enqueue(
                {"notification_type": _optional_string(notification_type, "notification_type"),
                 "horizon_seconds": _horizon(horizon_seconds),
                 **_attribution(principal_id=principal(principal_id), notification_id=_event_id(decoded),
-                               media_buy_id=_optional_string(media_buy_id, "media_buy_id"))})
+                               media_buy_id=_optional_string(media_buy_id, "media_buy_id"),
+                               account_id=_optional_string(account_id, "account_id"),
+                               subscriber_id=_optional_string(subscriber_id, "subscriber_id"))})
     connection = _connection(conn)
     return store_bound(connection, row, producer_keys(connection, settings))

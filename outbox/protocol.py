@@ -52,6 +52,9 @@ ACCOUNT_EVENT_TYPES = frozenset(
     reporting.delivery_ready reporting.status_changed reporting.ledger_changed
     """.split()
 )
+# Account-anchored types that belong to one buyer principal (the reporting consumer): they
+# fan out only to that principal's subscribers, never to every subscriber of a shared account.
+PRINCIPAL_SCOPED_TYPES = frozenset({"reporting.delivery_ready", "reporting.status_changed", "reporting.ledger_changed"})
 NOTIFICATION_TYPES = ACCOUNT_EVENT_TYPES | DELIVERY_NOTIFICATION_TYPES | {
     "impairment", "capabilities.changed", "principal.changed"}
 SUBSCRIBER_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # notification-config.json subscriber_id

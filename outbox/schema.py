@@ -32,7 +32,8 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
 STATES = ("pending", "in_flight", "delivered", "dead")
-DEAD_REASONS = ("expired", "conflict", "signature_rejected", "gone", "rejected", "invalid", "blocked", "proof_failed")
+DEAD_REASONS = ("expired", "conflict", "signature_rejected", "gone", "rejected", "invalid", "blocked", "proof_failed",
+                "cancelled")
 AUTH_MODES = ("rfc9421", "hmac", "bearer")
 TRIGGERS = ("scheduled", "replay")
 BREAKER_STATES = ("closed", "open", "half_open")

@@ -246,7 +246,8 @@ class _Statements:
                 retry_until = CASE WHEN :force THEN {now} + COALESCE(horizon_seconds, :horizon) ELSE retry_until END
             WHERE id IN :ids AND state IN ('dead', 'delivered')
               AND (:force OR {DEADLINE} > {now})
-              AND COALESCE(dead_reason, '') <> 'proof_failed' -- never to a URL that failed its proof
+              -- never to a URL that failed its proof, nor to a revoked subscriber
+              AND COALESCE(dead_reason, '') NOT IN ('proof_failed', 'cancelled')
             RETURNING id
         """).bindparams(bindparam("ids", expanding=True))
 

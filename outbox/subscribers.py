@@ -162,6 +162,12 @@ def fail_held(subscriber_refs: Sequence[int], why: str) -> Update:
             .values(held=False, state="dead", dead_reason="proof_failed", finished_at=db_now(), last_error=why))
 
 
+def cancel_pending(subscriber_refs: Sequence[int], why: str) -> Update:
+    """End every unsent fire of revoked subscribers: dead ``cancelled`` (nothing more is sent)."""
+    return (update(messages).where(messages.c.subscriber_ref.in_(list(subscriber_refs)), messages.c.state == "pending")
+            .values(held=False, state="dead", dead_reason="cancelled", finished_at=db_now(), last_error=why))
+
+
 def _cancel_proof(connection: Connection, row: Any, why: str) -> None:
     """A pending proof that no longer matters: its held fires and its unsent challenge end."""
     connection.execute(fail_held([row.id], why))
@@ -238,7 +244,8 @@ def register_subscriber(
     Validated like enqueue (URL rules, ``event_types`` against the account-anchored enum,
     legacy credentials sealed). An unchanged entry changes nothing. A new or changed URL,
     event set or auth on an active entry needs a fresh proof (state ``pending_proof``);
-    a paused entry (``active: false``) is stored and never fired to. Re-activating a
+    a paused entry (``active: false``) is stored and never fired to (pausing ends its unsent
+    fires dead ``cancelled``). Re-activating a
     configuration whose proof already succeeded needs no new proof; re-sending one whose
     proof failed tries the proof again.
     """
@@ -273,6 +280,8 @@ def register_subscriber(
                                  registration.credentials)
     if row is not None and row.state == "pending_proof" and not keep_proof and not (renew and new_proof):
         _cancel_proof(connection, row, "subscriber changed before its URL proof completed")
+    if row is not None and state == "paused":  # paused is revoked: nothing more is sent
+        connection.execute(cancel_pending([row.id], "subscriber paused"))
     values = {"principal_id": owner, "url": registration.url, "event_types": json.dumps(events),
               "auth_mode": registration.auth_mode, "auth_secret": secret, "active": active, "state": state,
               "config_sha256": digest}
@@ -304,8 +313,8 @@ def list_subscribers(conn: Conn, *, tenant_id: str, account_id: str | None = Non
 def remove_subscriber(conn: Conn, *, tenant_id: str, account_id: str, subscriber_id: str) -> bool:
     """Delete a subscriber (dropped from ``notification_configs[]``); ``False`` if there was none.
 
-    Fires still held for its unfinished proof end dead ``proof_failed``; fires already
-    released keep their course (they were enqueued while it was a proven subscriber).
+    Fires still held for its unfinished proof end dead ``proof_failed``; its other unsent
+    fires end dead ``cancelled``: a revoked subscription is sent nothing more.
     """
     connection = _connection(conn)
     tenant, account = _tenant(tenant_id), _check_string(account_id, "account_id")
@@ -314,5 +323,6 @@ def remove_subscriber(conn: Conn, *, tenant_id: str, account_id: str, subscriber
         return False
     if row.state == "pending_proof":
         _cancel_proof(connection, row, "subscriber removed before its URL proof completed")
+    connection.execute(cancel_pending([row.id], "subscriber removed"))
     connection.execute(delete(subscribers).where(subscribers.c.id == row.id))
     return True

@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "supervisor.cli_subscribers",
     "supervisor.cli_endpoints",
     "supervisor.cli_recover",
+    "supervisor.cli_reporting",
 )
 
 

@@ -42,6 +42,7 @@ from supervisor.keyring_cache import CachedKeyring
 from supervisor.maintenance import Maintenance
 from supervisor.metrics import Metrics
 from supervisor.outage import OutageGuard
+from supervisor.reporting_handoff import run_handoff
 from supervisor.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.transport import HttpSender
@@ -254,6 +255,8 @@ class Daemon:
                                           horizon_seconds=self.settings.retry_horizon_seconds).run(), name="jobs"),
         ]
         background.append(asyncio.create_task(self.resealer.run(), name="resealer"))
+        if self.settings.reporting_handoff:  # docs/reporting.md: the SDK's notifications, sent by outboxd
+            background.append(asyncio.create_task(run_handoff(self.settings, self.metrics), name="reporting"))
         if is_postgresql(self.settings.database_url):
             background.extend(self._wakeups())
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")

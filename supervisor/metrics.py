@@ -102,6 +102,12 @@ class Metrics:
         self.signing_active_keys = Gauge("outbox_signing_active_keys", "Signing keys able to sign now, per keyring "
                                          "scope: 0 means that scope's webhooks wait for a key.", ["scope"],
                                          registry=r)
+        self.reporting_handoffs = Counter("outbox_reporting_handoffs", "SDK reporting deliveries handed off, by the "
+                                          "state they were finished with (docs/reporting.md).", ["state"], registry=r)
+        self.reporting_backlog = Gauge("outbox_reporting_handoff_backlog", "SDK reporting work not yet in outboxd: "
+                                       "events to expand, deliveries to hand off (sampled).", ["queue"], registry=r)
+        self.reporting_handoff_errors = Counter("outbox_reporting_handoff_errors", "Hand-off turns that failed "
+                                                "(retried on the next turn).", registry=r)
         self.build_info = Gauge("outbox_build_info", "Version of the running outboxd.", ["version"], registry=r)
         self.build_info.labels(version=package_version()).set(1)
         for state in ("pending", "in_flight"):

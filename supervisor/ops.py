@@ -205,8 +205,9 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_s
     for row in rows:
         item = _message(row)
         item["past_horizon"] = horizon_end(row, horizon_seconds) <= now
-        # A fire whose subscriber URL failed its proof is never sent there (docs/subscribers.md).
-        item["replayable"] = row.state in ("dead", "delivered") and row.dead_reason != "proof_failed"
+        # A fire whose subscriber URL failed its proof, or whose subscriber was removed, is
+        # never sent there (docs/subscribers.md, docs/reporting.md).
+        item["replayable"] = row.state in ("dead", "delivered") and row.dead_reason not in ("proof_failed", "cancelled")
         result.append(item)
     return result
 

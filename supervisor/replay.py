@@ -60,6 +60,7 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
                           refused=[{"id": c["id"], "state": c["state"],
                                     "why": "past its retry horizon (use --force)" if c["replayable"] else
                                     "its subscriber URL failed its proof" if c["dead_reason"] == "proof_failed"
+                                    else "its subscriber was removed" if c["dead_reason"] == "cancelled"
                                     else f"state is {c['state']}"} for c in candidates if c not in eligible])
     if dry_run:
         result.replayed = [c["id"] for c in eligible]

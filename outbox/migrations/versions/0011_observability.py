@@ -12,7 +12,7 @@ same change one inserts it. A recovery job is a row its daemon advances chunk by
 each replayed message recorded once per job.
 
 Revision ID: 0011_observability
-Revises: 0007_attempt_partitions
+Revises: 0009_encryption_keys
 Create Date: 2026-12-02
 """
 
