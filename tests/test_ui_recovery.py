@@ -15,32 +15,16 @@ from sqlalchemy import func, select
 
 from outbox.config import load_settings
 from outbox.db import make_async_engine
-from outbox.schema import LATENCY_BOUNDS_MS, jobs, messages
+from outbox.schema import jobs, messages
 from supervisor import health_stats
 from supervisor.ui.forms import JOB_RATE_MAX, BadInput, job_number, job_rate, job_selection
 from tests.console_history import ENDPOINTS, OPEN_ENDPOINT, seed
+from tests.test_ui import bucket_bounds, tile
 
 TOKEN = "t" * 32
 # What the daemons recorded for the open endpoint in the current minute: (2xx?, latency ms, died?).
 RECORDED = [(True, 40, False), (True, 55, False), (False, 700, False), (False, 900, True), (True, 60, False),
             (False, None, True), (False, 3000, False), (True, 45, False)]
-
-
-def tile(page: str, name: str) -> str:
-    """The ``data-value`` of an endpoint health tile."""
-    match = re.search(rf'id="eh-{name}"><div class="k">[^<]*</div><div class="v" data-value="([^"]*)"', page)
-    assert match, name
-    return match.group(1)
-
-
-def bucket_bounds(latency: float) -> tuple[float, float]:
-    """The histogram bucket (docs/observability.md) a latency falls in: its lower and upper bound."""
-    lower = 0.0
-    for bound in LATENCY_BOUNDS_MS:
-        if latency <= bound:
-            return lower, float(bound)
-        lower = float(bound)
-    return lower, float("inf")
 
 
 @pytest.fixture
