@@ -46,7 +46,8 @@ async def record(engine, now: float) -> None:
     try:
         async with aengine.begin() as conn:
             await health_stats.record(conn, health_stats.tally(
-                (health_stats.Recorded(*OPEN_ENDPOINT, True, ok, ms, died) for ok, ms, died in RECORDED),
+                [*(health_stats.Recorded(*OPEN_ENDPOINT, True, ok, ms, died) for ok, ms, died in RECORDED),
+                 *(health_stats.Recorded(*ENDPOINTS[1], True, True, 20, False) for _ in range(3))],
                 now=now, daemon_id="outboxd-test"))
     finally:
         await aengine.dispose()
@@ -71,8 +72,13 @@ async def test_endpoint_health_shows_what_the_daemons_recorded(engine, console):
     bad = client.get("/endpoint", params={"tenant": tenant, "origin": origin, "window": "7d"})
     assert bad.status_code == 400 and "The health window must be one of: 15m, 1h, 24h." in bad.text
     overview = client.get("/").text
-    row = overview.split(f'>{origin}</a>')[1].split("</tr>")[0]
-    assert re.search(r'<td class="num" data-value="([\d.]+)">', row).group(1) == f"{successes / len(RECORDED):.4f}"
+
+    def listed(origin: str) -> str | None:  # the success rate an overview row carries
+        match = re.search(r'<td class="num" data-value="([\d.]*)">', overview.split(f">{origin}</a>")[1].split("</tr>")[0])
+        return match.group(1) if match else None
+
+    assert listed(origin) == f"{successes / len(RECORDED):.4f}" and listed(ENDPOINTS[1][1]) == "1.0000"
+    assert listed(ENDPOINTS[0][1]) == ""  # no attempt in the hour: no rate
 
 
 def dead_matching(engine, tenant: str, since: float) -> int:

@@ -75,9 +75,10 @@ async def charts_for(conn: AsyncConnection, scope: Scope, now: float) -> dict[st
 async def endpoint_health(conn: AsyncConnection, scope: Scope, endpoints: list[dict[str, Any]]
                           ) -> list[health_stats.EndpointHealth | None]:
     """The last hour's health of each listed endpoint (``None``: no attempt in the hour),
-    read in one pass over the hour's per-minute rollup rows: never from the attempt history."""
-    found = {(h.tenant_id, h.origin): h
-             for h in await health_stats.endpoint_health(conn, window_seconds=HOUR.seconds, tenant=scope.tenant)}
+    from the hour's per-minute rollup rows: never from the attempt history."""
+    keys = [(e["tenant_id"], e["origin"]) for e in endpoints]
+    found = {(h.tenant_id, h.origin): h for h in await health_stats.endpoint_health(
+        conn, window_seconds=HOUR.seconds, tenant=scope.tenant, endpoints=keys)}
     return [found.get((e["tenant_id"], e["origin"])) for e in endpoints]
 
 

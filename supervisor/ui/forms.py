@@ -76,9 +76,10 @@ def page_start(value: str | None) -> int | None:
 def job_selection(params: Any) -> jobs.Selection:
     """What a recovery job replays, from its start form: a tenant and a time are required."""
     values = _fields(params, ("tenant", "since", "origin", "reason"))
-    if not values["tenant"] or not values["since"]:
+    tenant, since = values["tenant"], values["since"]
+    if not tenant or not since:
         raise BadInput("A recovery job needs a tenant and a time its dead messages ended since.")
-    return jobs.Selection(values["tenant"], _time(values["since"], "Since"), values["origin"],
+    return jobs.Selection(tenant, _time(since, "Since"), values["origin"],
                           _choice(values["reason"], DEAD_REASONS, "Reason"))
 
 
