@@ -159,24 +159,31 @@ class EndpointHealth:
 
 
 async def endpoint_health(conn: AsyncConnection, *, window_seconds: float = 3600, tenant: str | None = None,
-                          origin: str | None = None, limit: int | None = None) -> list[EndpointHealth]:
+                          origin: str | None = None, limit: int | None = None,
+                          endpoints: Sequence[tuple[str, str]] | None = None) -> list[EndpointHealth]:
     """Health of every endpoint with traffic in the window or a breaker not closed, busiest
-    first (at most ``limit``). Reads the window's rollup rows (endpoints × minutes ×
+    first (at most ``limit``); only the given ``endpoints`` (tenant, origin pairs) when set,
+    as for a page that lists some. Reads the window's rollup rows (endpoints × minutes ×
     daemons) and the breakers of the endpoints shown: never the attempt history.
 
     Minutes are whole: a window of N minutes covers the current minute and the N-1 before it.
     """
     if not 60 <= window_seconds <= RETENTION_SECONDS:
         raise ValueError(f"window must be between 1 minute and {RETENTION_SECONDS // 3600} hours")
+    if endpoints is not None and not endpoints:
+        return []
     s = endpoint_stats.c
     first = _minute(conn, (int(window_seconds // 60) - 1) * 60)
-    scope = and_(true(), *([s.tenant_id == tenant] if tenant else []), *([s.origin == origin] if origin else []))
+    chosen = [] if endpoints is None else [list(endpoints)]
+    scope = and_(true(), *([s.tenant_id == tenant] if tenant else []), *([s.origin == origin] if origin else []),
+                 *(tuple_(s.tenant_id, s.origin).in_(keys) for keys in chosen))
     sums = [func.sum(getattr(s, c)).label(c) for c in COUNTS]
     query = (select(s.tenant_id, s.origin, *sums).where(s.minute >= first, scope)
              .group_by(s.tenant_id, s.origin))
     totals = {(r.tenant_id, r.origin): r for r in await conn.execute(query)}
     b = breakers.c
-    bscope = and_(true(), *([b.tenant_id == tenant] if tenant else []), *([b.origin == origin] if origin else []))
+    bscope = and_(true(), *([b.tenant_id == tenant] if tenant else []), *([b.origin == origin] if origin else []),
+                  *(tuple_(b.tenant_id, b.origin).in_(keys) for keys in chosen))
     columns = (b.tenant_id, b.origin, b.state, b.open_until, b.trips)
     # Endpoints with an open or half-open breaker are shown even without traffic in the window.
     breaker_rows = {(r.tenant_id, r.origin): r for r in await conn.execute(

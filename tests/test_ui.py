@@ -1,27 +1,95 @@
 """``outboxd ui`` as an operator meets it: the real console process, the real daemon, a real
 receiver on 127.0.0.1, and Debian's chromium driven by Selenium (never a downloaded browser).
+
+Screenshots (1400×1000) are saved in the tests' temporary directories, and also copied to
+``$CONSOLE_SHOTS_DIR`` when that is set.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import shutil
 import socket
+import struct
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 import outbox
-from outbox.schema import messages
+from outbox.schema import LATENCY_BOUNDS_MS, attempts, jobs, messages
 from tests import procs
 from tests.test_e2e import enqueue_many, finished
 
 pytestmark = pytest.mark.e2e
 TOKEN = "console-token-for-the-test-0123456789"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+needs_chromium = pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
+                                    reason="Debian chromium and chromium-driver are needed (.ci/run installs them)")
+
+
+@contextmanager
+def chromium(*, screen: bool = False) -> Iterator[Any]:
+    """Headless Debian chromium; with ``screen``, the page itself is 1400×1000 (no window frame)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--hide-scrollbars"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    browser.implicitly_wait(15)  # a click that submits a form may return before the next page is there
+    try:
+        if screen:
+            browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                    {"width": 1400, "height": 1000, "deviceScaleFactor": 1, "mobile": False})
+        yield browser
+    finally:
+        browser.quit()
+
+
+def sign_in(browser: Any, base: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{base}/login")
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.ID, "sign-in").click()
+    browser.find_element(By.ID, "health")
+
+
+def keep_shots(shots: list[Path]) -> None:
+    """Each screenshot is a 1400×1000 PNG; copied to ``$CONSOLE_SHOTS_DIR`` when set."""
+    target = os.environ.get("CONSOLE_SHOTS_DIR")
+    for path in shots:
+        header = path.read_bytes()[:24]
+        assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (1400, 1000)
+        if target:
+            Path(target).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, target)
+
+
+def tile(page: str, name: str) -> str:
+    """The ``data-value`` of an endpoint health tile."""
+    match = re.search(rf'id="eh-{name}"><div class="k">[^<]*</div><div class="v" data-value="([^"]*)"', page)
+    assert match, name
+    return match.group(1)
+
+
+def bucket_bounds(latency: float) -> tuple[float, float]:
+    """The latency histogram's bucket (docs/observability.md) that holds ``latency``: its bounds."""
+    lower = 0.0
+    for bound in LATENCY_BOUNDS_MS:
+        if latency <= bound:
+            return lower, float(bound)
+        lower = float(bound)
+    return lower, float("inf")
 
 
 def free_port() -> int:
@@ -101,11 +169,8 @@ def test_filtered_replay_counts_first_and_caps_at_its_limit(pg_engine, console):
     assert confirm_ids == ["1", "2"]  # the confirmation replays exactly what the dry run counted
 
 
-@pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
-                    reason="Debian chromium and chromium-driver are needed (.ci/run installs them)")
+@needs_chromium
 def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, pg_url, tmp_path, console):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     key, jwks = procs.make_key(tmp_path)
@@ -113,43 +178,137 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
         enqueue_many(pg_engine, f"http://127.0.0.1:{port}", ["/ok"])  # another message, not to be touched
         [k] = enqueue_many(pg_engine, f"http://127.0.0.1:{port}", ["/flaky/1/410"])
         daemon = procs.start_daemon(procs.daemon_env(pg_url, key), tmp_path / "d.log")
-        options = webdriver.ChromeOptions()
-        options.binary_location = CHROMIUM
-        for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-            options.add_argument(flag)
-        browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-        browser.implicitly_wait(15)  # a click that submits a form may return before the next page is there
         try:
-            assert procs.wait_until(lambda: finished(pg_engine, 2), 30)
-            browser.get(f"{console}/messages")
-            assert browser.current_url.endswith("/login")
-            browser.find_element(By.ID, "token").send_keys(TOKEN)
-            browser.find_element(By.ID, "sign-in").click()
-            assert "Gone" in browser.find_element(By.ID, "dead").text
-            browser.get(f"{console}/messages")
-            browser.find_element(By.ID, "tenant").send_keys("tenant-0")
-            browser.find_element(By.ID, "key").send_keys(k)
-            browser.find_element(By.ID, "search-button").click()
-            assert procs.wait_until(lambda: "key=" in browser.current_url, 15)  # the results page, not the form's
-            rows = browser.find_elements(By.CSS_SELECTOR, "#results tr")[1:]
-            assert len(rows) == 1 and "Dead: Gone" in rows[0].text and k in rows[0].text
-            rows[0].find_element(By.TAG_NAME, "a").click()
-            payload = browser.find_element(By.ID, "payload").text
-            assert "[redacted]" in payload and "e2e-token" not in browser.page_source
-            assert "410" in browser.find_element(By.ID, "attempts").text
-            browser.find_element(By.ID, "replay-button").click()
-            assert "1 message(s) would be replayed" in browser.find_element(By.ID, "dry-run-count").text
-            browser.find_element(By.ID, "confirm-button").click()
-            assert "Replayed 1 message(s)" in browser.find_element(By.ID, "replayed-count").text
-            replays = lambda: [a for a in procs.arrivals(log) if a["key"] == k]  # noqa: E731
-            assert procs.wait_until(lambda: len(replays()) == 2 and finished(pg_engine, 2), 30)
+            with chromium() as browser:
+                assert procs.wait_until(lambda: finished(pg_engine, 2), 30)
+                browser.get(f"{console}/messages")
+                assert browser.current_url.endswith("/login")
+                browser.find_element(By.ID, "token").send_keys(TOKEN)
+                browser.find_element(By.ID, "sign-in").click()
+                assert "Gone" in browser.find_element(By.ID, "dead").text
+                browser.get(f"{console}/messages")
+                browser.find_element(By.ID, "tenant").send_keys("tenant-0")
+                browser.find_element(By.ID, "key").send_keys(k)
+                browser.find_element(By.ID, "search-button").click()
+                assert procs.wait_until(lambda: "key=" in browser.current_url, 15)  # the results page, not the form's
+                rows = browser.find_elements(By.CSS_SELECTOR, "#results tr")[1:]
+                assert len(rows) == 1 and "Dead: Gone" in rows[0].text and k in rows[0].text
+                rows[0].find_element(By.TAG_NAME, "a").click()
+                payload = browser.find_element(By.ID, "payload").text
+                assert "[redacted]" in payload and "e2e-token" not in browser.page_source
+                assert "410" in browser.find_element(By.ID, "attempts").text
+                browser.find_element(By.ID, "replay-button").click()
+                assert "1 message(s) would be replayed" in browser.find_element(By.ID, "dry-run-count").text
+                browser.find_element(By.ID, "confirm-button").click()
+                assert "Replayed 1 message(s)" in browser.find_element(By.ID, "replayed-count").text
+                replays = lambda: [a for a in procs.arrivals(log) if a["key"] == k]  # noqa: E731
+                assert procs.wait_until(lambda: len(replays()) == 2 and finished(pg_engine, 2), 30)
         finally:
-            browser.quit()
             procs.stop(daemon)
     first, second = replays()
     assert first["sha256"] == second["sha256"] and (first["status"], second["status"]) == (410, 200)
     assert second["verified"]
     assert len(procs.arrivals(log)) == 3  # the other message was not replayed
+
+
+def endpoint_truth(engine, origin: str) -> dict[str, Any]:
+    """An endpoint's attempts, successes, deaths and response times, counted from its rows."""
+    with engine.connect() as conn:
+        rows = conn.execute(select(attempts.c.outcome, attempts.c.response_time_ms)
+                            .where(attempts.c.url.startswith(origin + "/"))).all()
+        deaths = conn.execute(select(func.count()).select_from(messages).where(messages.c.state == "dead")).scalar_one()
+    return {"attempts": len(rows), "successes": sum(r.outcome == "success" for r in rows), "deaths": deaths,
+            "timed": sorted(r.response_time_ms for r in rows if r.response_time_ms is not None)}
+
+
+def job_row(engine) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(jobs)).one()
+
+
+@needs_chromium
+def test_endpoint_health_and_a_recovery_job_in_the_browser(pg_engine, pg_url, tmp_path, console):
+    """The daemon delivers to a real receiver; the endpoint page shows what its attempt rows
+    say, and a recovery job started, paused and resumed in the browser shows the job row's
+    progress, then replays every dead message exactly once."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    key, jwks = procs.make_key(tmp_path)
+    shots: list[Path] = []
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, log):
+        origin = f"http://127.0.0.1:{port}"
+        paths = [p for i in range(8) for p in (f"/flaky/1/410?i={i}", "/ok", "/delay/40")][:20]  # 7 die, 13 arrive
+        keys = enqueue_many(pg_engine, origin, paths)
+        doomed = {k for k, p in zip(keys, paths) if p.startswith("/flaky")}
+        daemon = procs.start_daemon(procs.daemon_env(pg_url, key), tmp_path / "d.log")
+        try:
+            with chromium(screen=True) as browser:
+                assert procs.wait_until(lambda: finished(pg_engine, len(paths)), 60)
+                truth = endpoint_truth(pg_engine, origin)
+                assert truth["deaths"] == len(doomed) and truth["attempts"] == len(paths)
+                sign_in(browser, console)
+                browser.get(f"{console}/endpoint?tenant=tenant-0&origin={origin}")
+                page = browser.page_source
+                assert int(tile(page, "attempts")) == truth["attempts"] and int(tile(page, "deaths")) == truth["deaths"]
+                assert float(tile(page, "success-rate")) == pytest.approx(truth["successes"] / truth["attempts"], abs=1e-4)
+                assert tile(page, "breaker") == "closed"
+                for name, rank in (("p50", 0.5), ("p95", 0.95)):  # the histogram's estimate, in the true value's bucket
+                    true_value = truth["timed"][math.ceil(rank * len(truth["timed"])) - 1]  # nearest rank
+                    low, high = bucket_bounds(true_value)
+                    assert low <= float(tile(page, name)) <= high, (name, true_value, truth["timed"])
+                shown = browser.find_element(By.ID, "endpoint-health").text.lower()  # the tiles' labels are upper-cased
+                assert f"success rate\n{100 * truth['successes'] / truth['attempts']:.1f} %" in shown
+                shots.append(tmp_path / "console-endpoint-health.png")
+                assert browser.get_screenshot_as_file(str(shots[-1]))
+
+                browser.get(f"{console}/jobs")
+                browser.find_element(By.ID, "job-tenant").send_keys("tenant-0")
+                browser.find_element(By.ID, "job-since").send_keys("1h")
+                Select(browser.find_element(By.ID, "job-reason")).select_by_value("gone")
+                rate = browser.find_element(By.ID, "job-rate")
+                rate.clear()
+                rate.send_keys("1")
+                browser.find_element(By.ID, "count-job-button").click()
+                counted = browser.find_element(By.ID, "job-dry-run-count").text
+                assert counted.startswith(f"{len(doomed)} dead message(s) match now")
+                with pg_engine.connect() as conn:
+                    assert conn.execute(select(func.count()).select_from(jobs)).scalar_one() == 0  # counted only
+                browser.find_element(By.ID, "confirm-job-button").click()
+                assert "Recovery job started" in browser.find_element(By.ID, "notice").text
+                assert procs.wait_until(lambda: job_row(pg_engine).done >= 2, 30)
+                browser.find_element(By.ID, "pause-button").click()
+                assert "Job paused" in browser.find_element(By.ID, "notice").text
+                paused = job_row(pg_engine)
+                count = browser.find_element(By.CSS_SELECTOR, "#job .job-count")
+                assert paused.state == "paused" and 2 <= paused.done < paused.total == len(doomed)
+                assert (int(count.get_attribute("data-done")), int(count.get_attribute("data-total"))) == \
+                    (paused.done, paused.total)
+                assert browser.find_element(By.ID, "job-state").get_attribute("data-value") == "paused"
+                assert int(browser.find_element(By.ID, "job-remaining").get_attribute("data-value")) == \
+                    paused.total - paused.done - paused.skipped
+                shots.append(tmp_path / "console-job.png")
+                assert browser.get_screenshot_as_file(str(shots[-1]))
+                browser.get(f"{console}/jobs")
+                listed = browser.find_element(By.CSS_SELECTOR, f"#job-{paused.id} .job-count")
+                assert listed.text == f"{paused.done} / {paused.total}" and "Paused" in \
+                    browser.find_element(By.ID, f"job-{paused.id}").text
+                shots.append(tmp_path / "console-jobs.png")
+                assert browser.get_screenshot_as_file(str(shots[-1]))
+                browser.find_element(By.LINK_TEXT, str(paused.id)).click()
+                browser.find_element(By.ID, "resume-button").click()
+                assert "Job resumed" in browser.find_element(By.ID, "notice").text
+                assert procs.wait_until(lambda: job_row(pg_engine).state == "done", 60)
+                arrived = lambda: [a["key"] for a in procs.arrivals(log)]  # noqa: E731
+                assert procs.wait_until(lambda: finished(pg_engine, len(paths))
+                                        and sum(arrived().count(k) for k in doomed) == 2 * len(doomed), 30)
+        finally:
+            procs.stop(daemon)
+    done = job_row(pg_engine)
+    assert (done.done, done.skipped, done.total) == (len(doomed), 0, len(doomed))
+    assert all(arrived().count(k) == 2 for k in doomed)  # each dead message replayed exactly once
+    assert all(arrived().count(k) == 1 for k in keys if k not in doomed)  # nothing else replayed
+    keep_shots(shots)
 
 
 async def test_subscribers_are_shown_and_masked(sqlite_engine, settings):

@@ -1,20 +1,15 @@
 """The console's pages against a known history: the browser sees the database's numbers in the
 health strip and the charts, and every page answers bad input and forged words safely.
 
-Screenshots of the overview, an endpoint and a message (1400×1000) are saved in the test's
-temporary directory, and also copied to ``$CONSOLE_SHOTS_DIR`` when that is set.
+Screenshots of the overview, an endpoint and a message are kept as tests/test_ui.py keeps its own.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import struct
 import subprocess
 import sys
 from html import unescape
-from pathlib import Path
 from urllib.parse import urlencode
 
 import httpx
@@ -24,8 +19,8 @@ from sqlalchemy import func, select
 from outbox.schema import breakers, messages
 from tests import procs
 from tests.console_history import DUE_AGO, OPEN_ENDPOINT, QUIET_TO, attempt_rows, seed, tally
-from tests.test_ui import (CHROMEDRIVER, CHROMIUM, TOKEN, console, console_env, free_port,  # noqa: F401 (fixture)
-                           signed_in)
+from tests.test_ui import (TOKEN, chromium, console, console_env, free_port,  # noqa: F401 (fixture)
+                           keep_shots, needs_chromium, sign_in, signed_in)
 
 pytestmark = pytest.mark.e2e
 BUCKET = re.compile(r'<g class="bucket" data-start="(\d+)" data-delivered="(\d+)" data-failed="(\d+)">')
@@ -94,29 +89,15 @@ def test_health_strip_and_charts_carry_the_database_numbers(pg_engine, console, 
     assert failures and set(failures) <= {"503", "500", "410", "–"}  # the failed attempts' statuses
 
 
-@pytest.mark.skipif(not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)),
-                    reason="Debian chromium and chromium-driver are needed (.ci/run installs them)")
+@needs_chromium
 def test_screenshots_of_the_overview_an_endpoint_and_a_message(pg_engine, console, tmp_path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     history = seed(pg_engine, tmp_path)
     rows = attempt_rows(pg_engine)
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--hide-scrollbars"):
-        options.add_argument(flag)
-    browser = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    browser.implicitly_wait(15)
     shots = {}
-    try:
-        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",  # the page itself 1400×1000, no window frame
-                                {"width": 1400, "height": 1000, "deviceScaleFactor": 1, "mobile": False})
-        browser.get(f"{console}/login")
-        browser.find_element(By.ID, "token").send_keys(TOKEN)
-        browser.find_element(By.ID, "sign-in").click()
-        browser.find_element(By.ID, "health")
+    with chromium(screen=True) as browser:
+        sign_in(browser, console)
         for name, path in {**SHOTS, "message": f"/messages/{history.featured}"}.items():
             browser.get(console + path)
             browser.find_element(By.CSS_SELECTOR, "main h1")
@@ -136,15 +117,7 @@ def test_screenshots_of_the_overview_an_endpoint_and_a_message(pg_engine, consol
                 assert moment.text.endswith("ago") and re.fullmatch(r"\d{4}-.*Z", moment.get_attribute("title"))
         browser.find_element(By.ID, "replay-button").click()
         assert str(history.featured) in browser.find_element(By.ID, "replay-list").text
-    finally:
-        browser.quit()
-    target = os.environ.get("CONSOLE_SHOTS_DIR")
-    for path in shots.values():
-        header = path.read_bytes()[:24]
-        assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (1400, 1000)
-        if target:
-            Path(target).mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, target)
+    keep_shots(list(shots.values()))
 
 
 def test_breaker_reset_asks_first_and_notices_are_fixed_words(pg_engine, console, tmp_path):

@@ -1,4 +1,4 @@
-"""The console's pages and its two actions, replay and breaker reset.
+"""The console's pages and its actions, replay and breaker reset (recovery jobs: :mod:`supervisor.ui.recovery`).
 
 Every read goes through :mod:`supervisor.ops` or :mod:`supervisor.ui.queries` (which mask
 like ``outboxd show``) and every replay through :func:`supervisor.replay.replay`, the code
@@ -28,11 +28,13 @@ from outbox import store
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
-from supervisor import ops
+from supervisor import health_stats, ops
 from supervisor.replay import replay
-from supervisor.ui import charts, present, queries
+from supervisor.ui import charts, present, queries, recovery
 from supervisor.ui.auth import COOKIE, Sessions
-from supervisor.ui.forms import FILTER_FIELDS, BadInput, filters_from, page_start, replay_limit
+from supervisor.ui.forms import (FILTER_FIELDS, HEALTH_WINDOWS, BadInput, filters_from, health_window, page_start,
+                                 replay_limit)
+from supervisor.ui.kit import Kit
 from supervisor.ui.registry import subscribers
 from supervisor.ui.timeseries import DAY, HOUR, Scope, series
 
@@ -47,6 +49,7 @@ REFRESH_SECONDS = 15
 NOTICES = {
     "breaker-reset": "Breaker reset: the endpoint takes deliveries again at once.",
     "breaker-missing": "There was no breaker to reset: it had closed or been reset already.",
+    **recovery.NOTICES,
 }
 SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
                     "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'"}
@@ -67,6 +70,16 @@ async def charts_for(conn: AsyncConnection, scope: Scope, now: float) -> dict[st
         data = await series(conn, window, scope, now)
         drawn[window.name] = {"series": data, "throughput": charts.throughput(data), "latency": charts.latency(data)}
     return drawn
+
+
+async def endpoint_health(conn: AsyncConnection, scope: Scope, endpoints: list[dict[str, Any]]
+                          ) -> list[health_stats.EndpointHealth | None]:
+    """The last hour's health of each listed endpoint (``None``: no attempt in the hour),
+    from the hour's per-minute rollup rows: never from the attempt history."""
+    keys = [(e["tenant_id"], e["origin"]) for e in endpoints]
+    found = {(h.tenant_id, h.origin): h for h in await health_stats.endpoint_health(
+        conn, window_seconds=HOUR.seconds, tenant=scope.tenant, endpoints=keys)}
+    return [found.get((e["tenant_id"], e["origin"])) for e in endpoints]
 
 
 def make_app(settings: Settings, token: str) -> Starlette:
@@ -123,6 +136,8 @@ def make_app(settings: Settings, token: str) -> Starlette:
             health = await queries.health(conn, scope)
             status = await ops.status(conn, top=20)
             endpoints, more_endpoints = await queries.endpoints(conn, scope, ENDPOINTS_SHOWN)
+            for shown, found in zip(endpoints, await endpoint_health(conn, scope, endpoints)):
+                shown["health"] = found
             drawn = await charts_for(conn, scope, health.now)
             counts = await queries.state_counts(conn, scope) if scope.tenant else status["messages"]
         return render(request, "overview.html", refreshes=True, scope=scope, health=health, status=status,
@@ -137,14 +152,20 @@ def make_app(settings: Settings, token: str) -> Starlette:
             return render(request, "error.html", 400, message="An endpoint is a tenant and an origin: "
                                                               "open it from the overview's list.")
         scope = Scope(tenant=tenant, origin=origin)
+        try:
+            window = health_window(request.query_params.get("window"))
+        except BadInput as exc:
+            return render(request, "error.html", 400, message=str(exc))
         async with state["engine"].connect() as conn:
             health = await queries.health(conn, scope)
+            rollup = await health_stats.endpoint_health(conn, window_seconds=window[1], tenant=tenant, origin=origin)
             found = await queries.breaker(conn, tenant, origin)
             counts = await queries.state_counts(conn, scope)
             drawn = await charts_for(conn, scope, health.now)
             failures = await queries.failed_attempts(conn, scope, health.now - DAY.seconds, FAILURES_SHOWN)
         return render(request, "endpoint.html", refreshes=True, tenant=tenant, origin=origin, health=health,
-                      breaker=found, counts=counts, charts=drawn, failures=failures, now=health.now)
+                      rollup=rollup[0] if rollup else None, window=window[0],
+                      windows={name: here(request, window=name) for name in HEALTH_WINDOWS}, breaker=found, counts=counts, charts=drawn, failures=failures, now=health.now)
 
     async def messages(request: Request) -> Response:
         if not signed_in(request):
@@ -226,7 +247,9 @@ def make_app(settings: Settings, token: str) -> Starlette:
         response.delete_cookie(COOKIE, path="/")
         return response
 
+    kit = Kit(render=render, action_form=action_form, signed_in=signed_in, engine=lambda: state["engine"])
     return Starlette(lifespan=lifespan, routes=[
+        *recovery.routes(kit),
         Route("/login", login, methods=["GET", "POST"]),
         Route("/", overview),
         Route("/endpoint", endpoint),

@@ -10,13 +10,17 @@ import argparse
 from typing import Any
 
 from outbox.schema import DEAD_REASONS, STATES
-from supervisor import ops
+from supervisor import jobs, ops
 from supervisor.cli_common import parse_time
 from supervisor.ui.present import label
 
 FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
 REPLAY_LIMIT_MAX = 10_000
 REPLAY_LIMIT_DEFAULT = 1000
+JOB_RATE_MAX = 100_000  # as `outboxd recover start --rate`
+JOB_RATE_DEFAULT = 50
+# The endpoint health windows the console offers (the rollup keeps a day: supervisor/health_stats.py).
+HEALTH_WINDOWS = {"15m": 900, "1h": 3600, "24h": 86_400}
 
 
 class BadInput(ValueError):
@@ -29,16 +33,23 @@ def _choice(value: str | None, allowed: tuple[str, ...], field: str) -> str | No
     return value
 
 
+def _time(value: str, field: str) -> float:
+    """A typed time (ISO, or how long ago), as ``outboxd`` takes it."""
+    try:
+        return parse_time(value)
+    except argparse.ArgumentTypeError:
+        raise BadInput(f"{field}: write a time like 2026-12-01T10:00Z, or how long ago, "
+                       f"like 30m, 2h or 7d.") from None
+
+
+def _fields(params: Any, names: tuple[str, ...]) -> dict[str, str | None]:
+    return {f: (params.get(f) or "").strip() or None for f in names}
+
+
 def filters_from(params: Any, limit: int = 100) -> ops.Filters:
     """:class:`ops.Filters` from a query string or form; empty fields are no filter."""
-    values = {f: (params.get(f) or "").strip() or None for f in FILTER_FIELDS}
-    times = {}
-    for name in ("since", "until"):
-        try:
-            times[name] = parse_time(values[name]) if values[name] else None
-        except argparse.ArgumentTypeError:
-            raise BadInput(f"{name.capitalize()}: write a time like 2026-12-01T10:00Z, or how long ago, "
-                           f"like 30m, 2h or 7d.") from None
+    values = _fields(params, FILTER_FIELDS)
+    times = {name: _time(v, name.capitalize()) if (v := values[name]) else None for name in ("since", "until")}
     return ops.Filters(state=_choice(values["state"], STATES, "State"),
                        reason=_choice(values["reason"], DEAD_REASONS, "Reason"),
                        tenant=values["tenant"], key=values["key"], url=values["url"],
@@ -60,3 +71,31 @@ def replay_limit(value: Any) -> int:
 def page_start(value: str | None) -> int | None:
     """The ``before`` of a page link: a message id, or nothing for the newest page."""
     return None if not value else _whole_number(value, "before", 1, 2**63 - 1)
+
+
+def job_selection(params: Any) -> jobs.Selection:
+    """What a recovery job replays, from its start form: a tenant and a time are required."""
+    values = _fields(params, ("tenant", "since", "origin", "reason"))
+    tenant, since = values["tenant"], values["since"]
+    if not tenant or not since:
+        raise BadInput("A recovery job needs a tenant and a time its dead messages ended since.")
+    return jobs.Selection(tenant, _time(since, "Since"), values["origin"],
+                          _choice(values["reason"], DEAD_REASONS, "Reason"))
+
+
+def job_rate(value: Any) -> int:
+    """How many messages a second a recovery job may replay at most ("at most … a second")."""
+    return JOB_RATE_DEFAULT if value in (None, "") else _whole_number(value, "messages a second", 1, JOB_RATE_MAX)
+
+
+def job_number(value: str) -> int | None:
+    """A job id from an address; ``None`` for anything that cannot be one ("¹", past BIGINT)."""
+    return int(value) if value.isascii() and value.isdigit() and 0 < len(value) < 19 else None
+
+
+def health_window(value: str | None) -> tuple[str, int]:
+    """The endpoint health window asked for (``?window=``): its name and seconds; an hour by default."""
+    name = value or "1h"
+    if name not in HEALTH_WINDOWS:
+        raise BadInput(f"The health window must be one of: {', '.join(HEALTH_WINDOWS)}.")
+    return name, HEALTH_WINDOWS[name]

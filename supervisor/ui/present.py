@@ -72,5 +72,12 @@ def percent(ratio: float | None) -> str:
     return "–" if ratio is None else f"{ratio * 100:.1f} %"
 
 
+def millis(value: float | None) -> str:
+    """A response time: "85 ms", "1.25 s"; "–" for none."""
+    if value is None:
+        return "–"
+    return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+
+
 def install(env: Environment) -> None:
-    env.filters.update(label=label, duration=duration, when=when, percent=percent)
+    env.filters.update(label=label, duration=duration, when=when, percent=percent, millis=millis)
