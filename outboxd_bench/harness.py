@@ -26,7 +26,8 @@ SETTLE_SECONDS = 1.0  # after "daemon.started": let LISTEN connect before work i
 SHUTDOWN_GRACE = 2.0
 BENCH_KEY_ID = "outboxd-bench"
 # outbox_signing_keys too: each run's daemons register that run's throwaway key (keyring bootstrap)
-OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
+OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_due_origins",
+                 "outbox_due_endpoints", "outbox_due_arrivals",
                  "outbox_breaker_transitions", "outbox_signing_keys")
 # The operator's knobs, passed through from the configured settings: the daemons run with
 # whatever the operator runs (the defaults, unless tuned).

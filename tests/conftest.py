@@ -61,6 +61,7 @@ def _truncate(engine: Engine) -> None:
         if engine.dialect.name == "postgresql":
             conn.exec_driver_sql(
                 "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions, "
+                "outbox_due_origins, outbox_due_endpoints, outbox_due_arrivals, "
                 "outbox_signing_keys, outbox_subscribers"
                 " RESTART IDENTITY"
             )
