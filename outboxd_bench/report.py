@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from outboxd_bench.endpoints import endpoint_figures, endpoint_targets, render_endpoints
 from outboxd_bench.scale import DUE_INDEX, SCALE_REPEATS
 
 NOISY_SHARE = 0.15  # above this share of the box taken by others, a phase's figures are flagged
@@ -78,6 +79,7 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         "claim_buffers_ratio": scale["buffers_ratio"], "gauges_buffers_ratio": scale["gauges_buffers_ratio"],
         "rss_mb_10k_due": rss["peak_rss_mb"],
     })
+    out.update(endpoint_figures(ph["endpoints"]))
     if "peer_adcp" in ph:
         out["peer_adcp_deliveries_per_s"] = ph["peer_adcp"]["deliveries_per_s"]
         out["ratio_one_origin_to_peer_adcp"] = round(ph["throughput_one_origin"]["deliveries_per_s"]
@@ -113,6 +115,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
          f"{ph['scale']['empty']['uses_due_idx']}/{ph['scale']['scaled']['uses_due_idx']}", "True/True",
          ph["scale"]["empty"]["uses_due_idx"] and ph["scale"]["scaled"]["uses_due_idx"]),
         ("daemon RSS <= 200 MB with 10,000 due", f["rss_mb_10k_due"], "<= 200 MB", f["rss_mb_10k_due"] <= 200),
+        *endpoint_targets(f, ph["endpoints"]),
     ]
     return [{"target": t, "value": v, "threshold": th, "pass": bool(ok)} for t, v, th, ok in rows]
 
@@ -184,6 +187,8 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"  scaled / empty: claim time {scale['time_ratio']:g}, gauge time {scale['gauges_ratio']:g} "
                      f"(the targets judge the buffers: this machine's speed moves the times)")
         lines.append("")
+    if "endpoints" in ph:
+        lines += render_endpoints(ph["endpoints"])
     rss = ph.get("rss_10k_due")
     if rss is not None:
         lines += [f"MEMORY: one daemon with {rss['due_at_start']:,} due: peak RSS {rss['peak_rss_mb']:.1f} MB "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outboxd_bench import phases
+from outboxd_bench.endpoints import endpoint_counts, phase_endpoints
 from outboxd_bench.harness import Bench, Options
 from outboxd_bench.peer import phase_peer
 from outboxd_bench.procs import BenchUsageError, PhaseError
@@ -50,6 +51,9 @@ def plan(bench: Bench) -> list[Phase]:
         ("latency_isolation", "latency with one tenant hanging", lambda: phases.phase_latency(bench, hang=True)),
         ("rss_10k_due", f"RSS with {phases.DUE_FOR_RSS:,} due", lambda: phases.phase_rss(bench)),
         ("scale", f"claim plan with 0 and {o.scale_rows:,} delivered rows", lambda: phase_scale(bench)),
+        ("endpoints", f"claim and one daemon with {', '.join(f'{n:,}' for n in endpoint_counts(o.endpoints))} "
+         "backlogged endpoints",
+         lambda: phase_endpoints(bench)),
     ]
     if not o.only:
         return steps
@@ -75,7 +79,7 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
     bench = Bench(settings, options, progress)
     report: dict[str, Any] = {
         "options": {k: getattr(options, k) for k in ("messages", "rate", "duration", "scale_rows", "bare_concurrency",
-                                                     "shared_tenants", "origins", "tls", "peer")},
+                                                     "shared_tenants", "origins", "tls", "peer", "endpoints")},
         "settings": {k: getattr(settings, k) for k in ("concurrency", "endpoint_concurrency", "claim_batch",
                                                        "poll_interval_seconds")},
         "receiver": {"path": "/ok", "verifies_signatures": False}, "phases": {}, "errors": {}}
