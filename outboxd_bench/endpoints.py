@@ -17,7 +17,7 @@ from typing import Any
 
 from outboxd_bench.harness import FEW_ENDPOINTS, Bench
 from outboxd_bench.procs import POLL, CpuMeter, PhaseError
-from outboxd_bench.scale import SCALE_WARMUP, _claim_params, _explain, _hits, _timed_claim
+from outboxd_bench.scale import measure_claim
 
 PER_ENDPOINT = 5  # due messages per backlogged endpoint
 CLAIM_REPEATS = 15
@@ -59,14 +59,7 @@ def _backlog(bench: Bench, endpoints: int, per_endpoint: int, prefix: str) -> No
 def _claim_case(bench: Bench, endpoints: int) -> dict[str, Any]:
     bench.truncate()
     _backlog(bench, endpoints, PER_ENDPOINT, f"ep{endpoints}")
-    executions, walls, buffers = [], [], []
-    for i in range(SCALE_WARMUP + CLAIM_REPEATS):
-        execution, _, lines = _explain(bench, "claim", _claim_params(bench))
-        wall = _timed_claim(bench)
-        if i >= SCALE_WARMUP:
-            executions.append(execution)
-            walls.append(wall)
-            buffers.append(_hits(lines))
+    executions, _, walls, buffers, _ = measure_claim(bench, CLAIM_REPEATS)
     return {"endpoints": endpoints, "due_rows": endpoints * PER_ENDPOINT,
             "execution_ms": round(min(executions), 3), "client_wall_ms": round(min(walls), 3),
             "shared_buffers_hit": int(statistics.median(buffers))}
