@@ -49,6 +49,29 @@ DEADLINE = "COALESCE(retry_until, created_at + COALESCE(horizon_seconds, :horizo
 MIN_HORIZON_SECONDS = 86_400
 
 
+def _write_back(name: str, source: str, same_key: str) -> str:
+    """The claim's write-back to ``outbox_due_{name}``: each row ``source`` read gets its new
+    due time, or goes when it has none. A row another claim holds is skipped, and so is one
+    rewritten since it was read (by ``gather_due``: new work arrived), whose version, and so
+    its ctid, is no longer the one read: left early, it is looked at again next time, never
+    late. Skipping, never waiting, a claim cannot deadlock with another or with
+    ``gather_due``."""
+    return f"""{name}_taken AS (
+                SELECT ctid AS row FROM outbox_due_{name}
+                WHERE ctid = ANY(ARRAY(SELECT row FROM {source})) FOR UPDATE SKIP LOCKED
+            ),
+            {name}_moved AS (
+                UPDATE outbox_due_{name} AS d SET due = a.due FROM {source} AS a
+                WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
+                  AND {same_key} AND a.due <> d.due
+            ),
+            {name}_done AS (
+                DELETE FROM outbox_due_{name} AS d USING {source} AS a
+                WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
+                  AND {same_key} AND a.due IS NULL
+            )"""
+
+
 def _claim_sql(pg: bool, now: str) -> str:
     """The claim: one statement that leases only what may be sent now.
 
@@ -89,16 +112,16 @@ def _claim_sql(pg: bool, now: str) -> str:
     if pg:
         heads = f"""{held}
             origins AS MATERIALIZED (
-                SELECT d.origin AS o, d.ctid AS row, d.xmin AS stamp, :cap - COALESCE(h.n, 0) AS free
+                SELECT d.origin AS o, d.ctid AS row, :cap - COALESCE(h.n, 0) AS free
                 FROM outbox_due_origins AS d LEFT JOIN held AS h ON h.o = d.origin
                 WHERE d.due <= {now} AND COALESCE(h.n, 0) < :cap
                 ORDER BY d.due LIMIT :limit
             ),
             visited AS MATERIALIZED (
-                SELECT e.t, g.o, e.due, e.row, e.stamp, g.free, {room} AS room,
+                SELECT e.t, g.o, e.due, e.row, g.free, {room} AS room,
                        CASE b.state WHEN 'open' THEN b.open_until WHEN 'half_open' THEN b.probe_until END AS shut_until
                 FROM origins AS g CROSS JOIN LATERAL (
-                    SELECT d.tenant_id AS t, d.due, d.ctid AS row, d.xmin AS stamp FROM outbox_due_endpoints AS d
+                    SELECT d.tenant_id AS t, d.due, d.ctid AS row FROM outbox_due_endpoints AS d
                     WHERE d.origin = g.o AND d.due <= {now} ORDER BY d.due LIMIT g.free) AS e
                 LEFT JOIN outbox_breakers AS b ON b.tenant_id = e.t AND b.origin = g.o
             ),
@@ -115,46 +138,26 @@ def _claim_sql(pg: bool, now: str) -> str:
                     ORDER BY m.next_attempt_at, m.id LIMIT g.depth + 1) AS h
             ),
             heads AS (SELECT id, next_attempt_at, t, o, nth FROM fetched WHERE head),"""
-        # What was visited is written back: each endpoint's next due time once this claim's
-        # rows are gone (its breaker's end while that blocks it; none: the row goes), each
-        # origin's the earliest of its endpoints'. Each row is found again by its ctid, and one
-        # changed since it was read (its xmin differs: new work arrived) is left for the next
-        # claim to look at again.
+        # What was visited is written back (_write_back): each endpoint's next due time once
+        # this claim's rows are gone (its breaker's end while that blocks it), each origin's
+        # the earliest of its endpoints'.
         repair = f""",
             ahead AS MATERIALIZED (
-                SELECT v.t, v.o, v.row, v.stamp, CASE WHEN v.room > 0 THEN n.due ELSE v.shut_until END AS due
+                SELECT v.t, v.o, v.row, CASE WHEN v.room > 0 THEN n.due ELSE v.shut_until END AS due
                 FROM visited AS v LEFT JOIN (
                     SELECT t, o, min(next_attempt_at) AS due FROM fetched
                     WHERE id NOT IN (SELECT picked_id FROM picked) GROUP BY t, o) AS n ON n.t = v.t AND n.o = v.o
             ),
             origins_ahead AS MATERIALIZED (
-                SELECT g.o, g.row, g.stamp, LEAST(
+                SELECT g.o, g.row, LEAST(
                     (SELECT min(a.due) FROM ahead AS a WHERE a.o = g.o),
                     (SELECT d.due FROM outbox_due_endpoints AS d
                      WHERE d.origin = g.o AND d.tenant_id NOT IN (SELECT v.t FROM visited AS v WHERE v.o = g.o)
                      ORDER BY d.due LIMIT 1)) AS due
                 FROM origins AS g
             ),
-            endpoints_moved AS (
-                UPDATE outbox_due_endpoints AS d SET due = a.due FROM ahead AS a
-                WHERE d.ctid = ANY(ARRAY(SELECT row FROM ahead)) AND d.ctid = a.row AND d.xmin = a.stamp
-                  AND d.origin = a.o AND d.tenant_id = a.t AND a.due <> d.due
-            ),
-            endpoints_done AS (
-                DELETE FROM outbox_due_endpoints AS d USING ahead AS a
-                WHERE d.ctid = ANY(ARRAY(SELECT row FROM ahead)) AND d.ctid = a.row AND d.xmin = a.stamp
-                  AND d.origin = a.o AND d.tenant_id = a.t AND a.due IS NULL
-            ),
-            origins_moved AS (
-                UPDATE outbox_due_origins AS d SET due = a.due FROM origins_ahead AS a
-                WHERE d.ctid = ANY(ARRAY(SELECT row FROM origins)) AND d.ctid = a.row AND d.xmin = a.stamp
-                  AND d.origin = a.o AND a.due <> d.due
-            ),
-            origins_done AS (
-                DELETE FROM outbox_due_origins AS d USING origins_ahead AS a
-                WHERE d.ctid = ANY(ARRAY(SELECT row FROM origins)) AND d.ctid = a.row AND d.xmin = a.stamp
-                  AND d.origin = a.o AND a.due IS NULL
-            )"""
+            {_write_back("endpoints", "ahead", "d.origin = a.o AND d.tenant_id = a.t")},
+            {_write_back("origins", "origins_ahead", "d.origin = a.o")}"""
         lock = "FOR UPDATE OF m SKIP LOCKED"
     else:
         heads = f"""
