@@ -80,6 +80,11 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         "rss_mb_10k_due": rss["peak_rss_mb"],
     })
     out.update(endpoint_figures(ph["endpoints"]))
+    wrk = ph.get("wrk", {})
+    if wrk.get("available"):
+        out["wrk_requests_per_s"] = wrk["requests_per_s"]
+        out["one_origin_ratio_to_wrk"] = round(ph["throughput_one_origin"]["deliveries_per_s"]
+                                               / max(wrk["requests_per_s"], 1e-6), 3)
     if "peer_adcp" in ph:
         out["peer_adcp_deliveries_per_s"] = ph["peer_adcp"]["deliveries_per_s"]
         out["ratio_one_origin_to_peer_adcp"] = round(ph["throughput_one_origin"]["deliveries_per_s"]
@@ -153,6 +158,13 @@ def render_table(report: dict[str, Any]) -> str:
         if one is not None:
             lines.append(f"  outboxd (one origin) / adcp SDK = {one['deliveries_per_s'] / peer['deliveries_per_s']:.1f}x "
                          "deliveries/s, both with their defaults, same receiver, same run")
+    wrk = ph.get("wrk")
+    if wrk is not None and wrk["available"]:
+        lines.append(f"  {'wrk (C client) c=' + str(wrk['connections']):26}{wrk['requests_per_s']:>8.1f}{'':>7}"
+                     f"{wrk['cpu_ms_per_request']:>7.2f}{'':>14}{'':>11}{wrk['cpu']['receiver_cpu_s']:>11.2f}"
+                     f"{wrk['cpu']['box_busy']:>5.0%}{wrk['cpu']['other_cpu_s']:>8.2f}")
+    elif wrk is not None:
+        lines.append(f"  wrk (C client): not run, {wrk['reason']}")
     for key in sorted((k for k in ph if k.startswith("bare_c")), key=lambda k: (ph[k]["concurrency"], k)):
         r = ph[key]
         label = f"bare httpx c={r['concurrency']}{' (2nd)' if key.endswith('again') else ''}"

@@ -19,6 +19,7 @@ from outboxd_bench.peer import phase_peer
 from outboxd_bench.procs import BenchUsageError, PhaseError
 from outboxd_bench.report import figures, machine_info, render_table, targets
 from outboxd_bench.scale import phase_scale
+from outboxd_bench.wrk import WRK_CONNECTIONS, phase_wrk
 
 Phase = tuple[str, str, Callable[[], dict[str, Any]]]
 
@@ -36,6 +37,7 @@ def plan(bench: Bench) -> list[Phase]:
                           lambda: phase_peer(bench))] if o.peer == "adcp" else []
     steps: list[Phase] = [
         *bare,
+        ("wrk", f"C client (wrk, {WRK_CONNECTIONS} connections) for {o.duration:g} s", lambda: phase_wrk(bench)),
         ("throughput_one_origin", f"one daemon drains {o.messages} to one origin",
          lambda: phases.phase_throughput(bench, phases.one_origin(bench), main, tag="one")),
         ("throughput_shared_origin", f"one daemon drains {o.messages} from {o.shared_tenants} tenants to one origin",

@@ -74,6 +74,8 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
     assert phases["latency_isolation"]["hanging_tenant_requests"] > 0  # reached /hang, never answered
     assert phases["scale"]["scaled"]["history_rows"] == 5_000
     assert list(phases["endpoints"]["claims"]) == ["10", "20", "200"]
+    wrk = phases["wrk"]  # the C-client baseline, or why it did not run
+    assert (wrk["requests_per_s"] > 0 and wrk["non_2xx"] == 0) if wrk["available"] else "not installed" in wrk["reason"]
     assert phases["endpoints"]["drain_many"]["endpoints_delivered_to"] > 10  # the backlog really spans them
     assert isinstance(phases["scale"]["empty"]["uses_due_idx"], bool)
     assert report["receiver"]["verifies_signatures"] is False
