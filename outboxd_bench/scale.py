@@ -54,6 +54,8 @@ def phase_scale(bench: Bench) -> dict[str, Any]:
 def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
     from sqlalchemy import text
 
+    from outbox.store import _STATEMENTS
+
     bench.truncate()
     insert_seconds = 0.0
     with bench.engine.begin() as conn:
@@ -66,6 +68,7 @@ def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
         bench.insert_due_sql(conn, SCALE_DUE_ROWS, bench.main.url("/ok"), "scale")
     with bench.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text(f"SET statement_timeout = '{int(SCALE_TIMEOUT)}s'"))
+        conn.execute(_STATEMENTS[True].gather_due)  # what the daemon runs before each claim
         conn.execute(text("VACUUM (ANALYZE) outbox_messages"))  # what autovacuum would soon do
         conn.execute(text("RESET statement_timeout"))
         try:  # write the fresh pages back now, not while the claim is being timed
