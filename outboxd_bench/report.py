@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from outboxd_bench.endpoints import endpoint_figures, endpoint_targets, render_endpoints
+from outboxd_bench.enqueue import enqueue_figures, enqueue_targets, render_enqueue
 from outboxd_bench.scale import DUE_INDEX, SCALE_REPEATS
 
 NOISY_SHARE = 0.15  # above this share of the box taken by others, a phase's figures are flagged
@@ -80,6 +81,7 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         "rss_mb_10k_due": rss["peak_rss_mb"],
     })
     out.update(endpoint_figures(ph["endpoints"]))
+    out.update(enqueue_figures(ph["enqueue"]))
     wrk = ph.get("wrk", {})
     if wrk.get("available"):
         out["wrk_requests_per_s"] = wrk["requests_per_s"]
@@ -121,6 +123,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
          ph["scale"]["empty"]["uses_due_idx"] and ph["scale"]["scaled"]["uses_due_idx"]),
         ("daemon RSS <= 200 MB with 10,000 due", f["rss_mb_10k_due"], "<= 200 MB", f["rss_mb_10k_due"] <= 200),
         *endpoint_targets(f, ph["endpoints"]),
+        *enqueue_targets(f),
     ]
     return [{"target": t, "value": v, "threshold": th, "pass": bool(ok)} for t, v, th, ok in rows]
 
@@ -199,6 +202,8 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"  scaled / empty: claim time {scale['time_ratio']:g}, gauge time {scale['gauges_ratio']:g} "
                      f"(the targets judge the buffers: this machine's speed moves the times)")
         lines.append("")
+    if "enqueue" in ph:
+        lines += render_enqueue(ph["enqueue"])
     if "endpoints" in ph:
         lines += render_endpoints(ph["endpoints"])
     rss = ph.get("rss_10k_due")

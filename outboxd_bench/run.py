@@ -14,6 +14,7 @@ from typing import Any
 
 from outboxd_bench import phases
 from outboxd_bench.endpoints import endpoint_counts, phase_endpoints
+from outboxd_bench.enqueue import ENQUEUE_ROUNDS, phase_enqueue
 from outboxd_bench.harness import Bench, Options
 from outboxd_bench.peer import phase_peer
 from outboxd_bench.procs import BenchUsageError, PhaseError
@@ -53,6 +54,8 @@ def plan(bench: Bench) -> list[Phase]:
         ("latency_isolation", "latency with one tenant hanging", lambda: phases.phase_latency(bench, hang=True)),
         ("rss_10k_due", f"RSS with {phases.DUE_FOR_RSS:,} due", lambda: phases.phase_rss(bench)),
         ("scale", f"claim plan with 0 and {o.scale_rows:,} delivered rows", lambda: phase_scale(bench)),
+        ("enqueue", f"what an enqueue adds to a seller transaction, {ENQUEUE_ROUNDS:,} interleaved rounds",
+         lambda: phase_enqueue(bench)),
         ("endpoints", f"claim and one daemon with {', '.join(f'{n:,}' for n in endpoint_counts(o.endpoints))} "
          "backlogged endpoints",
          lambda: phase_endpoints(bench)),

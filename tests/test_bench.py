@@ -58,7 +58,9 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
                  "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "isolation_healthy_p99_ms",
                  "isolation_p99_ratio", "claim_ms_empty", "claim_ms_scaled", "claim_time_ratio", "rss_mb_10k_due",
                  "claim_buffers_10_endpoints", "claim_buffers_200_endpoints", "endpoints_claim_buffers_ratio",
-                 "endpoints_few_deliveries_per_s", "endpoints_many_deliveries_per_s", "endpoints_rate_ratio"}
+                 "endpoints_few_deliveries_per_s", "endpoints_many_deliveries_per_s", "endpoints_rate_ratio",
+                 "enqueue_task_webhook_added_p50_ms", "enqueue_delivery_report_added_p50_ms",
+                 "enqueue_event_added_p50_ms"}
     figures = report["figures"]
     assert expected <= figures.keys()
     for name in expected:
