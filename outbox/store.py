@@ -50,6 +50,29 @@ DEADLINE = "COALESCE(retry_until, created_at + COALESCE(horizon_seconds, :horizo
 MIN_HORIZON_SECONDS = 86_400
 
 
+def _write_back(name: str, source: str, same_key: str) -> str:
+    """The claim's write-back to ``outbox_due_{name}``: each row ``source`` read gets its new
+    due time, or goes when it has none. A row another claim holds is skipped, and so is one
+    rewritten since it was read (by ``gather_due``: new work arrived), whose version, and so
+    its ctid, is no longer the one read: left early, it is looked at again next time, never
+    late. Skipping, never waiting, a claim cannot deadlock with another or with
+    ``gather_due``."""
+    return f"""{name}_taken AS (
+                SELECT ctid AS row FROM outbox_due_{name}
+                WHERE ctid = ANY(ARRAY(SELECT row FROM {source})) FOR UPDATE SKIP LOCKED
+            ),
+            {name}_moved AS (
+                UPDATE outbox_due_{name} AS d SET due = a.due FROM {source} AS a
+                WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
+                  AND {same_key} AND a.due <> d.due
+            ),
+            {name}_done AS (
+                DELETE FROM outbox_due_{name} AS d USING {source} AS a
+                WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
+                  AND {same_key} AND a.due IS NULL
+            )"""
+
+
 def _claim_sql(pg: bool, now: str) -> str:
     """The claim: one statement that leases only what may be sent now.
 
@@ -62,15 +85,19 @@ def _claim_sql(pg: bool, now: str) -> str:
     origins it takes everyone's first slot before anyone's second: fair, and nothing is
     claimed that would have to be handed back.
 
-    PostgreSQL walks the endpoints with a skip scan of ``outbox_messages_endpoint_due_idx``
-    (each step also reads the endpoint's earliest due time) and reads due heads through
-    LATERAL index scans. An origin with at least as many open, due endpoints as free slots
-    fills them in the first round: only its endpoints due longest are read, one row each;
-    otherwise each is read as deep as the origin's free slots. The cost is the number of
-    endpoints with pending work plus what is claimed, never the history or a long backlog
-    (the CTEs are MATERIALIZED: inlined, the planner may re-run the per-endpoint scans once
-    per candidate row). SQLite (a single host's outbox) ranks the due rows with a window
-    function.
+    PostgreSQL reads the origins with due work longest-waiting first (``outbox_due_origins``,
+    at most ``:limit`` of them, passing over those where this daemon is at its budget), and
+    of each as many of its endpoints due longest as it has free slots
+    (``outbox_due_endpoints``); due heads come through LATERAL scans of
+    ``outbox_messages_endpoint_due_idx``. An origin with at least as many open, due
+    endpoints as free slots fills them in the first round, one row each; otherwise each is
+    read as deep as the origin's free slots. The statement then writes back the due time of
+    everything it visited. The cost is what is claimed (at most ``:limit`` origins and their
+    free slots), never how many endpoints have a backlog, the history or a long backlog (the
+    CTEs are MATERIALIZED: inlined, the planner may re-run the per-endpoint scans once per
+    candidate row). The two tables are kept by triggers and :attr:`_Statements.gather_due`
+    (migration 0014, docs/architecture.md "Claiming ahead"). SQLite (a single host's
+    outbox) ranks the due rows with a window function.
     """
     done = "jsonb_array_elements_text(CAST(:done AS jsonb))" if pg else "json_each(:done)"
     room = f"""CASE WHEN b.state = 'open' AND b.open_until > {now} THEN 0
@@ -84,39 +111,54 @@ def _claim_sql(pg: bool, now: str) -> str:
             GROUP BY COALESCE(origin, '')
         ),"""
     if pg:
-        heads = f"""
-            endpoints AS (
-                (SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o, m.next_attempt_at AS due
-                 FROM outbox_messages AS m WHERE m.state = 'pending'
-                 ORDER BY m.tenant_id, COALESCE(m.origin, ''), m.next_attempt_at LIMIT 1)
-                UNION ALL
-                SELECT n.t, n.o, n.due FROM endpoints AS e CROSS JOIN LATERAL (
-                    SELECT m.tenant_id AS t, COALESCE(m.origin, '') AS o, m.next_attempt_at AS due
-                    FROM outbox_messages AS m
-                    WHERE m.state = 'pending' AND (m.tenant_id, COALESCE(m.origin, '')) > (e.t, e.o)
-                    ORDER BY m.tenant_id, COALESCE(m.origin, ''), m.next_attempt_at LIMIT 1) AS n
-            ),{held}
-            open_endpoints AS (
-                SELECT e.t, e.o, e.due, {room} AS room, :cap - COALESCE(h.n, 0) AS free
-                FROM endpoints AS e LEFT JOIN outbox_breakers AS b ON b.tenant_id = e.t AND b.origin = e.o
-                LEFT JOIN held AS h ON h.o = e.o
-                WHERE e.due <= {now}
+        heads = f"""{held}
+            origins AS MATERIALIZED (
+                SELECT d.origin AS o, d.ctid AS row, :cap - COALESCE(h.n, 0) AS free
+                FROM outbox_due_origins AS d LEFT JOIN held AS h ON h.o = d.origin
+                WHERE d.due <= {now} AND COALESCE(h.n, 0) < :cap
+                ORDER BY d.due LIMIT :limit
+            ),
+            visited AS MATERIALIZED (
+                SELECT e.t, g.o, e.due, e.row, g.free, {room} AS room,
+                       CASE b.state WHEN 'open' THEN b.open_until WHEN 'half_open' THEN b.probe_until END AS shut_until
+                FROM origins AS g CROSS JOIN LATERAL (
+                    SELECT d.tenant_id AS t, d.due, d.ctid AS row FROM outbox_due_endpoints AS d
+                    WHERE d.origin = g.o AND d.due <= {now} ORDER BY d.due LIMIT g.free) AS e
+                LEFT JOIN outbox_breakers AS b ON b.tenant_id = e.t AND b.origin = g.o
             ),
             gates AS MATERIALIZED (
-                SELECT t, o, room, free, count(*) OVER (PARTITION BY o) AS peers,
-                       row_number() OVER (PARTITION BY o ORDER BY due, t) AS rank
-                FROM open_endpoints WHERE room > 0 AND free > 0
+                SELECT t, o, LEAST(room, CASE WHEN count(*) OVER (PARTITION BY o) >= free THEN 1 ELSE free END) AS depth
+                FROM visited WHERE room > 0
             ),
-            heads AS MATERIALIZED (
-                SELECT h.id, h.next_attempt_at, g.t, g.o, h.nth FROM gates AS g CROSS JOIN LATERAL (
+            fetched AS MATERIALIZED (  -- one row past the depth: the endpoint's next due time after the claim
+                SELECT h.id, h.next_attempt_at, g.t, g.o, h.nth, h.nth <= g.depth AND h.next_attempt_at <= {now} AS head
+                FROM gates AS g CROSS JOIN LATERAL (
                     SELECT m.id, m.next_attempt_at, row_number() OVER (ORDER BY m.next_attempt_at, m.id) AS nth
                     FROM outbox_messages AS m
                     WHERE m.state = 'pending' AND m.tenant_id = g.t AND COALESCE(m.origin, '') = g.o
-                      AND m.next_attempt_at <= {now}
-                    ORDER BY m.next_attempt_at, m.id
-                    LIMIT LEAST(g.room, CASE WHEN g.peers >= g.free THEN 1 ELSE g.free END)) AS h
-                WHERE g.peers < g.free OR g.rank <= g.free
-            ),"""
+                    ORDER BY m.next_attempt_at, m.id LIMIT g.depth + 1) AS h
+            ),
+            heads AS (SELECT id, next_attempt_at, t, o, nth FROM fetched WHERE head),"""
+        # What was visited is written back (_write_back): each endpoint's next due time once
+        # this claim's rows are gone (its breaker's end while that blocks it), each origin's
+        # the earliest of its endpoints'.
+        repair = f""",
+            ahead AS MATERIALIZED (
+                SELECT v.t, v.o, v.row, CASE WHEN v.room > 0 THEN n.due ELSE v.shut_until END AS due
+                FROM visited AS v LEFT JOIN (
+                    SELECT t, o, min(next_attempt_at) AS due FROM fetched
+                    WHERE id NOT IN (SELECT picked_id FROM picked) GROUP BY t, o) AS n ON n.t = v.t AND n.o = v.o
+            ),
+            origins_ahead AS MATERIALIZED (
+                SELECT g.o, g.row, LEAST(
+                    (SELECT min(a.due) FROM ahead AS a WHERE a.o = g.o),
+                    (SELECT d.due FROM outbox_due_endpoints AS d
+                     WHERE d.origin = g.o AND d.tenant_id NOT IN (SELECT v.t FROM visited AS v WHERE v.o = g.o)
+                     ORDER BY d.due LIMIT 1)) AS due
+                FROM origins AS g
+            ),
+            {_write_back("endpoints", "ahead", "d.origin = a.o AND d.tenant_id = a.t")},
+            {_write_back("origins", "origins_ahead", "d.origin = a.o")}"""
         lock = "FOR UPDATE OF m SKIP LOCKED"
     else:
         heads = f"""
@@ -130,12 +172,13 @@ def _claim_sql(pg: bool, now: str) -> str:
                     WHERE m.state = 'pending' AND m.next_attempt_at <= {now}) AS ranked_rows
                 WHERE nth <= room
             ),{held}"""
+        repair = ""
         lock = ""
     # The target table is not aliased: SQLite resolves RETURNING only so.
     breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
                " AND b.origin = outbox_messages.origin)")
     return f"""
-        WITH {"RECURSIVE " if pg else ""}{heads}
+        WITH {heads}
         slots AS {"MATERIALIZED " if pg else ""}(
             SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
             FROM heads
@@ -146,7 +189,7 @@ def _claim_sql(pg: bool, now: str) -> str:
             WHERE s.slot + COALESCE(h.n, 0) <= :cap AND m.state = 'pending'
             ORDER BY s.slot, s.next_attempt_at, s.id
             LIMIT :limit {lock}
-        )
+        ){repair}
         UPDATE outbox_messages
         SET state = 'in_flight', lease_token = :token, lease_expires_at = {now} + :lease,
             leased_by = :daemon, attempts = attempts + 1,
@@ -170,6 +213,21 @@ class _Statements:
         # The size of what is sent, not of what is stored (a sealed body carries a fixed overhead).
         plain_size = f"length(body) - CASE WHEN body_key_id IS NULL THEN 0 ELSE {OVERHEAD} END"
         self.claim = text(_claim_sql(pg, now))
+        # PostgreSQL, before each claim: fold what became due since (the arrivals the
+        # triggers of migration 0014 append) into the endpoints and origins the claim walks.
+        # Every arrival rewrites its rows, even with an unchanged due time, so a claim that
+        # read them before cannot write back a due time computed without the new work.
+        self.gather_due = text("""
+            WITH arrived AS (DELETE FROM outbox_due_arrivals RETURNING tenant_id, origin, due),
+            endpoints AS (
+                INSERT INTO outbox_due_endpoints AS d (origin, tenant_id, due)
+                SELECT origin, tenant_id, min(due) FROM arrived GROUP BY origin, tenant_id ORDER BY origin, tenant_id
+                ON CONFLICT (origin, tenant_id) DO UPDATE SET due = LEAST(d.due, excluded.due)
+            )
+            INSERT INTO outbox_due_origins AS d (origin, due)
+            SELECT origin, min(due) FROM arrived GROUP BY origin ORDER BY origin
+            ON CONFLICT (origin) DO UPDATE SET due = LEAST(d.due, excluded.due)
+        """)
         # RETURNING must name bare columns (SQLite), so the row source avoids the table's names.
         completion = _json_rows(pg, [
             ("mid", "int"), ("tok", "text"), ("new_state", "text"), ("new_reason", "text"),
@@ -344,6 +402,8 @@ async def claim(
     """
     sent = time.monotonic() if sent is None else sent
     token = uuid.uuid4().hex
+    if _is_pg(conn):
+        await conn.execute(sql(conn).gather_due)
     result = await conn.execute(sql(conn).claim, {
         "limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
         "token": token, "cap": endpoint_concurrency, "done": json.dumps(list(done_ids)),

@@ -22,11 +22,13 @@ from outboxd_bench.certs import make_tls_files
 from outboxd_bench.procs import READY_TIMEOUT, BenchUsageError, Proc, ReceiverProc, spawn, start_receiver, wait_for
 
 TENANTS = 10
+FEW_ENDPOINTS = 10  # the many-endpoints phase's baseline: as many backlogged endpoints as TENANTS
 SETTLE_SECONDS = 1.0  # after "daemon.started": let LISTEN connect before work is committed
 SHUTDOWN_GRACE = 2.0
 BENCH_KEY_ID = "outboxd-bench"
 # outbox_signing_keys too: each run's daemons register that run's throwaway key (keyring bootstrap)
-OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
+OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_due_origins",
+                 "outbox_due_endpoints", "outbox_due_arrivals",
                  "outbox_breaker_transitions", "outbox_signing_keys")
 # The operator's knobs, passed through from the configured settings: the daemons run with
 # whatever the operator runs (the defaults, unless tuned).
@@ -52,6 +54,7 @@ class Options:
     json: bool = False
     peer: str | None = None
     only: tuple[str, ...] = ()  # phase names to run (empty: all)
+    endpoints: int = 10_000  # backlogged endpoints of the many-endpoints phase
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
@@ -65,13 +68,16 @@ class Options:
                       levels, int(getattr(args, "shared_tenants", 100)), int(getattr(args, "origins", 8)),
                       not bool(getattr(args, "plain_http", False)), bool(getattr(args, "json", False)),
                       getattr(args, "peer", None),
-                      tuple(p.strip() for p in str(getattr(args, "only", "") or "").split(",") if p.strip()))
+                      tuple(p.strip() for p in str(getattr(args, "only", "") or "").split(",") if p.strip()),
+                      int(getattr(args, "endpoints", 10_000)))
         if options.messages < 1 or not levels or min(levels) < 1:
             raise BenchUsageError("--messages and every --bare-concurrency level must be at least 1")
         if options.rate <= 0 or options.duration <= 0:
             raise BenchUsageError("--rate and --duration must be positive")
         if options.scale_rows < 1 or options.shared_tenants < 1 or options.origins < 1:
             raise BenchUsageError("--scale-rows, --shared-tenants and --origins must be at least 1")
+        if options.endpoints <= FEW_ENDPOINTS:
+            raise BenchUsageError(f"--endpoints must be more than {FEW_ENDPOINTS}")
         if options.peer not in (None, "adcp"):
             raise BenchUsageError(f"--peer must be adcp, got {options.peer!r}")
         return options
@@ -231,13 +237,14 @@ class Bench:
                                  for j in range(3)]},
             context={"bench": self.run_id})
 
-    def insert_due_sql(self, conn: Any, count: int, url: str, prefix: str) -> None:
-        """``count`` due messages inserted by plain SQL (the any-language producer contract)."""
+    def insert_due_sql(self, conn: Any, count: int, url: str, prefix: str, *, tenants: int = TENANTS) -> None:
+        """``count`` due messages for ``tenants`` tenants (dealt round-robin), inserted by
+        plain SQL (the any-language producer contract)."""
         from sqlalchemy import text
 
         conn.execute(text("""
             INSERT INTO outbox_messages (tenant_id, url, idempotency_key, body, task_id, task_type, task_status)
-            SELECT 'bench-tenant-' || (g % 10), :url, k.key,
+            SELECT 'bench-tenant-' || (g % :tenants), :url, k.key,
                    convert_to(json_build_object(
                        'idempotency_key', k.key, 'operation_id', 'op_' || g, 'task_id', 'task_' || g,
                        'task_type', 'create_media_buy', 'status', 'completed',
@@ -246,7 +253,7 @@ class Bench:
                                                    'padding', repeat('x', 400)))::text, 'UTF8'),
                    'task_' || g, 'create_media_buy', 'completed'
             FROM generate_series(1, :n) AS g, LATERAL (SELECT :prefix || g AS key) AS k
-        """), {"n": count, "url": url, "prefix": f"whk_{prefix}_{self.run_id}_"})
+        """), {"n": count, "url": url, "prefix": f"whk_{prefix}_{self.run_id}_", "tenants": tenants})
 
     def sample(self) -> bytes:
         """A real producer body (enqueued and rolled back) for the bare loop to POST."""

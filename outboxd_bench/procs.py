@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 READY_TIMEOUT = 30.0  # a daemon or receiver that does not start within this fails the phase
 STOP_TIMEOUT = 20.0
 POLL = 0.05
+BACKEND_SAMPLE_SECONDS = 0.1  # how often CpuMeter reads the backends' CPU
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NPROC = os.cpu_count() or 1
 
@@ -78,21 +80,41 @@ class CpuMeter:
     serving the bench database (their pids from ``pg_stat_activity``, their CPU from
     ``/proc``), and ``other``: everything else that ran meanwhile (PostgreSQL's background
     writers, other users of the machine).
+
+    A backend can close before the measurement ends (a peer's pool closing as its process
+    exits), and ``/proc`` forgets it then: so the backends are sampled every
+    ``BACKEND_SAMPLE_SECONDS`` from a connection of the meter's own (not counted), and a
+    backend gone by the end counts its CPU at its last sample.
     """
 
     def __init__(self, engine: Any, daemons: Sequence[int], receivers: Sequence[int]) -> None:
         self._engine = engine
         self._daemons, self._receivers = list(daemons), list(receivers)
+        self._seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
 
-    def _backends(self) -> dict[int, float]:
-        from sqlalchemy import text
+    def _backends(self, conn: Any) -> dict[int, float]:
+        pids = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                            " AND pid <> pg_backend_pid()").fetchall()
+        return {pid: cpu for (pid,) in pids if (cpu := cpu_or_none(pid)) is not None}
 
-        with self._engine.connect() as conn:
-            pids = conn.execute(text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")).scalars()
-            return {pid: cpu for pid in pids if (cpu := cpu_or_none(pid)) is not None}
+    def _sample(self, conn: Any) -> None:
+        while True:
+            self._seen.update(self._backends(conn))
+            if self._stop.wait(BACKEND_SAMPLE_SECONDS):
+                self._seen.update(self._backends(conn))
+                return
 
     def start(self) -> "CpuMeter":
-        self._backends0 = self._backends()
+        import psycopg
+        from sqlalchemy.engine import make_url
+
+        dsn = make_url(self._engine.url).set(drivername="postgresql").render_as_string(hide_password=False)
+        self._conn = psycopg.connect(dsn, autocommit=True)
+        self._backends0 = self._backends(self._conn)
+        self._sampler = threading.Thread(target=self._sample, args=(self._conn,), name="cpu-meter", daemon=True)
+        self._sampler.start()
         self._procs0 = {pid: cpu_seconds(pid) for pid in self._daemons + self._receivers}
         self._self0 = time.process_time()
         self._wall0 = time.perf_counter()
@@ -105,7 +127,11 @@ class CpuMeter:
         wall = time.perf_counter() - self._wall0
         own = time.process_time() - self._self0
         procs = {pid: cpu_seconds(pid) - self._procs0[pid] for pid in self._daemons + self._receivers}
-        backends = sum(cpu - self._backends0.get(pid, 0.0) for pid, cpu in self._backends().items())
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join()
+        self._conn.close()
+        backends = sum(cpu - self._backends0.get(pid, 0.0) for pid, cpu in self._seen.items())
         box = (busy - self._box0[0]) / CLK_TCK
         daemons = sum(procs[p] for p in self._daemons)
         receivers = sum(procs[p] for p in self._receivers)

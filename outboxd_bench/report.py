@@ -8,6 +8,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from outboxd_bench.endpoints import endpoint_figures, endpoint_targets, render_endpoints
+from outboxd_bench.enqueue import enqueue_figures, enqueue_targets, render_enqueue
 from outboxd_bench.scale import DUE_INDEX, SCALE_REPEATS
 
 NOISY_SHARE = 0.15  # above this share of the box taken by others, a phase's figures are flagged
@@ -78,6 +80,13 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         "claim_buffers_ratio": scale["buffers_ratio"], "gauges_buffers_ratio": scale["gauges_buffers_ratio"],
         "rss_mb_10k_due": rss["peak_rss_mb"],
     })
+    out.update(endpoint_figures(ph["endpoints"]))
+    out.update(enqueue_figures(ph["enqueue"]))
+    wrk = ph.get("wrk", {})
+    if wrk.get("available"):
+        out["wrk_requests_per_s"] = wrk["requests_per_s"]
+        out["one_origin_ratio_to_wrk"] = round(ph["throughput_one_origin"]["deliveries_per_s"]
+                                               / max(wrk["requests_per_s"], 1e-6), 3)
     if "peer_adcp" in ph:
         out["peer_adcp_deliveries_per_s"] = ph["peer_adcp"]["deliveries_per_s"]
         out["ratio_one_origin_to_peer_adcp"] = round(ph["throughput_one_origin"]["deliveries_per_s"]
@@ -113,6 +122,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
          f"{ph['scale']['empty']['uses_due_idx']}/{ph['scale']['scaled']['uses_due_idx']}", "True/True",
          ph["scale"]["empty"]["uses_due_idx"] and ph["scale"]["scaled"]["uses_due_idx"]),
         ("daemon RSS <= 200 MB with 10,000 due", f["rss_mb_10k_due"], "<= 200 MB", f["rss_mb_10k_due"] <= 200),
+        *endpoint_targets(f, ph["endpoints"]),
+        *enqueue_targets(f),
     ]
     return [{"target": t, "value": v, "threshold": th, "pass": bool(ok)} for t, v, th, ok in rows]
 
@@ -150,6 +161,13 @@ def render_table(report: dict[str, Any]) -> str:
         if one is not None:
             lines.append(f"  outboxd (one origin) / adcp SDK = {one['deliveries_per_s'] / peer['deliveries_per_s']:.1f}x "
                          "deliveries/s, both with their defaults, same receiver, same run")
+    wrk = ph.get("wrk")
+    if wrk is not None and wrk["available"]:
+        lines.append(f"  {'wrk (C client) c=' + str(wrk['connections']):26}{wrk['requests_per_s']:>8.1f}{'':>7}"
+                     f"{wrk['cpu_ms_per_request']:>7.2f}{'':>14}{'':>11}{wrk['cpu']['receiver_cpu_s']:>11.2f}"
+                     f"{wrk['cpu']['box_busy']:>5.0%}{wrk['cpu']['other_cpu_s']:>8.2f}")
+    elif wrk is not None:
+        lines.append(f"  wrk (C client): not run, {wrk['reason']}")
     for key in sorted((k for k in ph if k.startswith("bare_c")), key=lambda k: (ph[k]["concurrency"], k)):
         r = ph[key]
         label = f"bare httpx c={r['concurrency']}{' (2nd)' if key.endswith('again') else ''}"
@@ -184,6 +202,10 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append(f"  scaled / empty: claim time {scale['time_ratio']:g}, gauge time {scale['gauges_ratio']:g} "
                      f"(the targets judge the buffers: this machine's speed moves the times)")
         lines.append("")
+    if "enqueue" in ph:
+        lines += render_enqueue(ph["enqueue"])
+    if "endpoints" in ph:
+        lines += render_endpoints(ph["endpoints"])
     rss = ph.get("rss_10k_due")
     if rss is not None:
         lines += [f"MEMORY: one daemon with {rss['due_at_start']:,} due: peak RSS {rss['peak_rss_mb']:.1f} MB "

@@ -13,11 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from outboxd_bench import phases
+from outboxd_bench.endpoints import endpoint_counts, phase_endpoints
+from outboxd_bench.enqueue import ENQUEUE_ROUNDS, phase_enqueue
 from outboxd_bench.harness import Bench, Options
 from outboxd_bench.peer import phase_peer
 from outboxd_bench.procs import BenchUsageError, PhaseError
 from outboxd_bench.report import figures, machine_info, render_table, targets
 from outboxd_bench.scale import phase_scale
+from outboxd_bench.wrk import WRK_CONNECTIONS, phase_wrk
 
 Phase = tuple[str, str, Callable[[], dict[str, Any]]]
 
@@ -35,6 +38,7 @@ def plan(bench: Bench) -> list[Phase]:
                           lambda: phase_peer(bench))] if o.peer == "adcp" else []
     steps: list[Phase] = [
         *bare,
+        ("wrk", f"C client (wrk, {WRK_CONNECTIONS} connections) for {o.duration:g} s", lambda: phase_wrk(bench)),
         ("throughput_one_origin", f"one daemon drains {o.messages} to one origin",
          lambda: phases.phase_throughput(bench, phases.one_origin(bench), main, tag="one")),
         ("throughput_shared_origin", f"one daemon drains {o.messages} from {o.shared_tenants} tenants to one origin",
@@ -50,6 +54,11 @@ def plan(bench: Bench) -> list[Phase]:
         ("latency_isolation", "latency with one tenant hanging", lambda: phases.phase_latency(bench, hang=True)),
         ("rss_10k_due", f"RSS with {phases.DUE_FOR_RSS:,} due", lambda: phases.phase_rss(bench)),
         ("scale", f"claim plan with 0 and {o.scale_rows:,} delivered rows", lambda: phase_scale(bench)),
+        ("enqueue", f"what an enqueue adds to a seller transaction, {ENQUEUE_ROUNDS:,} interleaved rounds",
+         lambda: phase_enqueue(bench)),
+        ("endpoints", f"claim and one daemon with {', '.join(f'{n:,}' for n in endpoint_counts(o.endpoints))} "
+         "backlogged endpoints",
+         lambda: phase_endpoints(bench)),
     ]
     if not o.only:
         return steps
@@ -75,7 +84,7 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
     bench = Bench(settings, options, progress)
     report: dict[str, Any] = {
         "options": {k: getattr(options, k) for k in ("messages", "rate", "duration", "scale_rows", "bare_concurrency",
-                                                     "shared_tenants", "origins", "tls", "peer")},
+                                                     "shared_tenants", "origins", "tls", "peer", "endpoints")},
         "settings": {k: getattr(settings, k) for k in ("concurrency", "endpoint_concurrency", "claim_batch",
                                                        "poll_interval_seconds")},
         "receiver": {"path": "/ok", "verifies_signatures": False}, "phases": {}, "errors": {}}

@@ -68,7 +68,8 @@ def _truncate(engine: Engine) -> None:
             conn.exec_driver_sql(
                 "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions, "
                 "outbox_signing_keys, outbox_subscribers, outbox_encryption_keys, outbox_encryption_readers, "
-                "outbox_endpoint_stats, outbox_operator_events, outbox_jobs, outbox_job_items"
+                "outbox_endpoint_stats, outbox_operator_events, outbox_jobs, outbox_job_items, "
+                "outbox_due_origins, outbox_due_endpoints, outbox_due_arrivals"
                 " RESTART IDENTITY"
             )
         else:

@@ -40,7 +40,7 @@ def bench_url(pg_server_url: str) -> Iterator[str]:
 
 def _args(**overrides: object) -> argparse.Namespace:
     values = {"messages": 120, "rate": 50.0, "duration": 1.5, "bare_concurrency": "1,8", "shared_tenants": 20,
-              "origins": 3, "scale_rows": 5_000, "json": True}
+              "origins": 3, "scale_rows": 5_000, "endpoints": 200, "json": True}
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -56,7 +56,11 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
         "deliveries_per_s", "cpu_ms_per_delivery", "postgres_cpu_ms_per_delivery", "ratio_to_bare", "tail_ratio")}
     expected |= {"bare_best_requests_per_s", "bare_best_cpu_ms_per_request", "ratio_two_daemons_to_one",
                  "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "isolation_healthy_p99_ms",
-                 "isolation_p99_ratio", "claim_ms_empty", "claim_ms_scaled", "claim_time_ratio", "rss_mb_10k_due"}
+                 "isolation_p99_ratio", "claim_ms_empty", "claim_ms_scaled", "claim_time_ratio", "rss_mb_10k_due",
+                 "claim_buffers_10_endpoints", "claim_buffers_200_endpoints", "endpoints_claim_buffers_ratio",
+                 "endpoints_few_deliveries_per_s", "endpoints_many_deliveries_per_s", "endpoints_rate_ratio",
+                 "enqueue_task_webhook_added_p50_ms", "enqueue_delivery_report_added_p50_ms",
+                 "enqueue_event_added_p50_ms"}
     figures = report["figures"]
     assert expected <= figures.keys()
     for name in expected:
@@ -71,6 +75,10 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
     assert report["options"]["tls"] is True  # HTTPS by default, trusted through OUTBOX_TLS_CA_FILE
     assert phases["latency_isolation"]["hanging_tenant_requests"] > 0  # reached /hang, never answered
     assert phases["scale"]["scaled"]["history_rows"] == 5_000
+    assert list(phases["endpoints"]["claims"]) == ["10", "20", "200"]
+    wrk = phases["wrk"]  # the C-client baseline, or why it did not run
+    assert (wrk["requests_per_s"] > 0 and wrk["non_2xx"] == 0) if wrk["available"] else "not installed" in wrk["reason"]
+    assert phases["endpoints"]["drain_many"]["endpoints_delivered_to"] > 10  # the backlog really spans them
     assert isinstance(phases["scale"]["empty"]["uses_due_idx"], bool)
     assert report["receiver"]["verifies_signatures"] is False
     assert {t["target"] for t in report["targets"]} and all(isinstance(t["pass"], bool) for t in report["targets"])

@@ -1,0 +1,149 @@
+"""The many-endpoints phase: the claim and one daemon facing a backlog spread over many
+endpoints (tenant + origin), as after an outage that hit many buyers at once.
+
+The claim is measured as the scale check measures it (``EXPLAIN (ANALYZE, BUFFERS)`` of the
+daemon's very statement, in a transaction rolled back) with 10, a tenth of ``--endpoints``
+and ``--endpoints`` (10,000) backlogged endpoints of five due messages each: its work must
+not grow with their number (docs/performance.md, "Many backlogged endpoints"). One daemon
+then drains the first ``--messages`` of two backlogs of the same size: 10 endpoints with a
+deep backlog each, and ``--endpoints`` endpoints with five messages each.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from outboxd_bench.harness import FEW_ENDPOINTS, Bench
+from outboxd_bench.procs import POLL, CpuMeter, PhaseError
+from outboxd_bench.scale import measure_claim
+
+PER_ENDPOINT = 5  # due messages per backlogged endpoint
+CLAIM_REPEATS = 15
+MAX_BUFFERS_RATIO, MAX_TIME_RATIO, MIN_RATE_RATIO = 1.5, 1.5, 0.8
+
+
+def endpoint_counts(many: int) -> tuple[int, ...]:
+    """The backlogged endpoint counts of the phase: the baseline, a tenth of ``many``, ``many``."""
+    return tuple(sorted({FEW_ENDPOINTS, max(many // 10, FEW_ENDPOINTS), many}))
+
+
+def phase_endpoints(bench: Bench) -> dict[str, Any]:
+    few, many = FEW_ENDPOINTS, bench.options.endpoints
+    claims = {str(n): _claim_case(bench, n) for n in endpoint_counts(many)}
+    backlog = many * PER_ENDPOINT  # rows in the table for both drains
+    deep = _drain_case(bench, few, backlog)
+    wide = _drain_case(bench, many, backlog)
+    base, top = claims[str(few)], claims[str(many)]
+    return {"claims": claims, "drain_few": deep, "drain_many": wide, "few": few, "many": many,
+            "buffers_ratio": round(top["shared_buffers_hit"] / max(base["shared_buffers_hit"], 1), 3),
+            "time_ratio": round(top["execution_ms"] / max(base["execution_ms"], 1e-6), 3),
+            "rate_ratio": round(wide["deliveries_per_s"] / max(deep["deliveries_per_s"], 1e-6), 3)}
+
+
+def _backlog(bench: Bench, endpoints: int, per_endpoint: int, prefix: str) -> None:
+    """``endpoints`` tenants of the one-origin receiver, ``per_endpoint`` due messages each,
+    committed at once and folded into the due tables as a claim would, then vacuumed."""
+    from sqlalchemy import text
+
+    from outbox.store import _STATEMENTS
+
+    with bench.engine.begin() as conn:
+        bench.insert_due_sql(conn, endpoints * per_endpoint, bench.main.url("/ok"), prefix, tenants=endpoints)
+    with bench.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(_STATEMENTS[True].gather_due)
+        conn.execute(text("VACUUM (ANALYZE) outbox_messages, outbox_due_endpoints, outbox_due_origins"))
+
+
+def _claim_case(bench: Bench, endpoints: int) -> dict[str, Any]:
+    bench.truncate()
+    _backlog(bench, endpoints, PER_ENDPOINT, f"ep{endpoints}")
+    executions, _, walls, buffers, _ = measure_claim(bench, CLAIM_REPEATS)
+    return {"endpoints": endpoints, "due_rows": endpoints * PER_ENDPOINT,
+            "execution_ms": round(min(executions), 3), "client_wall_ms": round(min(walls), 3),
+            "shared_buffers_hit": int(statistics.median(buffers))}
+
+
+def _drain_case(bench: Bench, endpoints: int, backlog: int) -> dict[str, Any]:
+    """One daemon, running, gets a ``backlog`` over ``endpoints`` committed at once and
+    delivers ``--messages`` of it. The rate is read from the rows' finish times; the CPU is
+    what went by from the end of the commit to the last of them, per delivery meanwhile."""
+    from sqlalchemy import text
+
+    bench.truncate()
+    procs = bench.start_daemons(1, tag=f"endpoints-{endpoints}")
+    daemon = procs[0]
+    count = text("SELECT count(*) FROM outbox_messages WHERE state = 'delivered'")
+    try:
+        _backlog(bench, endpoints, backlog // endpoints, f"drain{endpoints}")
+        meter = CpuMeter(bench.engine, [daemon.pid], [bench.main.proc.pid]).start()
+        with bench.engine.connect() as conn:
+            before = conn.execute(count).scalar_one()
+        want = min(before + bench.options.messages, backlog)
+        deadline = time.monotonic() + bench.options.drain_timeout
+        while True:
+            with bench.engine.connect() as conn:
+                done = conn.execute(count).scalar_one()
+            if done >= want:
+                break
+            if not daemon.alive():
+                raise PhaseError(f"{daemon.name} exited: {daemon.log_tail()}")
+            if time.monotonic() > deadline:
+                raise PhaseError(f"one daemon delivered {done}/{want} in {bench.options.drain_timeout:.0f} s")
+            time.sleep(POLL)
+        usage = meter.stop()
+        with bench.engine.connect() as conn:
+            times = conn.execute(text("SELECT finished_at FROM outbox_messages WHERE state = 'delivered' "
+                                      "ORDER BY finished_at LIMIT :n"), {"n": want}).scalars().all()
+            endpoints_hit = conn.execute(text("SELECT count(DISTINCT tenant_id) FROM outbox_messages "
+                                              "WHERE state = 'delivered'")).scalar_one()
+    finally:
+        bench.stop_daemons(procs)
+    seconds = max(float(times[-1]) - float(times[0]), 1e-6)
+    metered = max(done - before, 1)
+    return {"endpoints": endpoints, "backlog": backlog, "delivered": len(times),
+            "endpoints_delivered_to": endpoints_hit, "seconds": round(seconds, 3),
+            "deliveries_per_s": round((len(times) - 1) / seconds, 1), "metered_deliveries": metered,
+            "cpu_ms_per_delivery": round(usage["daemons_cpu_s"] / metered * 1000, 3),
+            "postgres_cpu_ms_per_delivery": round(usage["postgres_cpu_s"] / metered * 1000, 3), "cpu": usage}
+
+
+def endpoint_figures(phase: dict[str, Any]) -> dict[str, Any]:
+    out = {f"claim_buffers_{n}_endpoints": c["shared_buffers_hit"] for n, c in phase["claims"].items()}
+    out.update({f"claim_ms_{n}_endpoints": c["execution_ms"] for n, c in phase["claims"].items()})
+    out.update({"endpoints_claim_buffers_ratio": phase["buffers_ratio"], "endpoints_claim_time_ratio":
+                phase["time_ratio"], "endpoints_rate_ratio": phase["rate_ratio"],
+                "endpoints_few_deliveries_per_s": phase["drain_few"]["deliveries_per_s"],
+                "endpoints_many_deliveries_per_s": phase["drain_many"]["deliveries_per_s"]})
+    return out
+
+
+def endpoint_targets(f: dict[str, Any], phase: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
+    few, many = f"{phase['few']:,}", f"{phase['many']:,}"
+    return [
+        (f"claim work (buffers), {many} vs {few} backlogged endpoints", f["endpoints_claim_buffers_ratio"],
+         f"<= {MAX_BUFFERS_RATIO}", f["endpoints_claim_buffers_ratio"] <= MAX_BUFFERS_RATIO),
+        (f"claim time, {many} vs {few} backlogged endpoints", f["endpoints_claim_time_ratio"],
+         f"<= {MAX_TIME_RATIO}", f["endpoints_claim_time_ratio"] <= MAX_TIME_RATIO),
+        (f"one daemon's deliveries/s, {many} vs {few} backlogged endpoints", f["endpoints_rate_ratio"],
+         f">= {MIN_RATE_RATIO}", f["endpoints_rate_ratio"] >= MIN_RATE_RATIO),
+    ]
+
+
+def render_endpoints(phase: dict[str, Any]) -> list[str]:
+    lines = [f"MANY ENDPOINTS: claim statement with {PER_ENDPOINT} due messages per backlogged endpoint "
+             f"(fastest / median buffers of {CLAIM_REPEATS}); one daemon drains the first "
+             f"{phase['drain_many']['delivered']:,} of {phase['drain_many']['backlog']:,}",
+             f"  {'endpoints':>12}{'exec ms':>9}{'client ms':>11}{'buffers':>9}"]
+    for case in phase["claims"].values():
+        lines.append(f"  {case['endpoints']:>12,}{case['execution_ms']:>9.3f}{case['client_wall_ms']:>11.3f}"
+                     f"{case['shared_buffers_hit']:>9}")
+    lines.append(f"  {'endpoints':>12}{'per s':>9}{'CPU ms':>11}{'PG ms':>9}{'box':>6}{'other s':>9}")
+    for case in (phase["drain_few"], phase["drain_many"]):
+        c = case["cpu"]
+        lines.append(f"  {case['endpoints']:>12,}{case['deliveries_per_s']:>9.1f}{case['cpu_ms_per_delivery']:>11.3f}"
+                     f"{case['postgres_cpu_ms_per_delivery']:>9.3f}{c['box_busy']:>6.0%}{c['other_cpu_s']:>9.2f}")
+    lines += [f"  most / fewest endpoints: claim buffers {phase['buffers_ratio']:g}, claim time {phase['time_ratio']:g}, "
+              f"deliveries/s {phase['rate_ratio']:g}", ""]
+    return lines
