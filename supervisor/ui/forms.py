@@ -74,9 +74,20 @@ def page_start(value: str | None) -> int | None:
 
 
 def job_selection(params: Any) -> jobs.Selection:
-    """What a recovery job replays, from its start form: a tenant and a time are required."""
-    values = _fields(params, ("tenant", "since", "origin", "reason"))
+    """What a recovery job takes, from its start form: a replay needs a tenant and a time;
+    a cancel of pending messages a tenant, its enqueue-time range being optional."""
+    values = _fields(params, ("tenant", "since", "until", "origin", "reason", "kind"))
     tenant, since = values["tenant"], values["since"]
+    if values["kind"] == "cancel":
+        if not tenant:
+            raise BadInput("Cancelling pending messages needs a tenant.")
+        start = _time(since, "Enqueued since") if since else 0.0
+        end = _time(until, "Enqueued until") if (until := values["until"]) else None
+        if end is not None and end < start:
+            raise BadInput("“Enqueued until” is before “Enqueued since”.")
+        return jobs.Selection(tenant, start, values["origin"], kind="cancel", until=end)
+    if values["kind"] not in (None, "replay"):
+        raise BadInput("A recovery job either replays dead messages or cancels pending ones.")
     if not tenant or not since:
         raise BadInput("A recovery job needs a tenant and a time its dead messages ended since.")
     return jobs.Selection(tenant, _time(since, "Since"), values["origin"],
