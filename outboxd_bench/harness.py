@@ -52,6 +52,7 @@ class Options:
     json: bool = False
     peer: str | None = None
     only: tuple[str, ...] = ()  # phase names to run (empty: all)
+    recovery_messages: int = 10_000  # dead messages of the recovery phase's replay job
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
@@ -65,13 +66,14 @@ class Options:
                       levels, int(getattr(args, "shared_tenants", 100)), int(getattr(args, "origins", 8)),
                       not bool(getattr(args, "plain_http", False)), bool(getattr(args, "json", False)),
                       getattr(args, "peer", None),
-                      tuple(p.strip() for p in str(getattr(args, "only", "") or "").split(",") if p.strip()))
+                      tuple(p.strip() for p in str(getattr(args, "only", "") or "").split(",") if p.strip()),
+                      int(getattr(args, "recovery_messages", 10_000)))
         if options.messages < 1 or not levels or min(levels) < 1:
             raise BenchUsageError("--messages and every --bare-concurrency level must be at least 1")
         if options.rate <= 0 or options.duration <= 0:
             raise BenchUsageError("--rate and --duration must be positive")
-        if options.scale_rows < 1 or options.shared_tenants < 1 or options.origins < 1:
-            raise BenchUsageError("--scale-rows, --shared-tenants and --origins must be at least 1")
+        if min(options.scale_rows, options.shared_tenants, options.origins, options.recovery_messages) < 1:
+            raise BenchUsageError("--scale-rows, --shared-tenants, --origins and --recovery-messages must be at least 1")
         if options.peer not in (None, "adcp"):
             raise BenchUsageError(f"--peer must be adcp, got {options.peer!r}")
         return options

@@ -16,6 +16,7 @@ from outboxd_bench import phases
 from outboxd_bench.harness import Bench, Options
 from outboxd_bench.peer import phase_peer
 from outboxd_bench.procs import BenchUsageError, PhaseError
+from outboxd_bench.recovery import phase_recovery
 from outboxd_bench.report import figures, machine_info, render_table, targets
 from outboxd_bench.scale import phase_scale
 
@@ -48,6 +49,8 @@ def plan(bench: Bench) -> list[Phase]:
         ("latency_healthy", f"latency at {o.rate:g}/s for {o.duration:g} s",
          lambda: phases.phase_latency(bench, hang=False)),
         ("latency_isolation", "latency with one tenant hanging", lambda: phases.phase_latency(bench, hang=True)),
+        ("latency_recovery", f"latency at {o.rate:g}/s to one origin, alone and with a replay job of "
+                             f"{o.recovery_messages:,} running", lambda: phase_recovery(bench)),
         ("rss_10k_due", f"RSS with {phases.DUE_FOR_RSS:,} due", lambda: phases.phase_rss(bench)),
         ("scale", f"claim plan with 0 and {o.scale_rows:,} delivered rows", lambda: phase_scale(bench)),
     ]
@@ -75,7 +78,8 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
     bench = Bench(settings, options, progress)
     report: dict[str, Any] = {
         "options": {k: getattr(options, k) for k in ("messages", "rate", "duration", "scale_rows", "bare_concurrency",
-                                                     "shared_tenants", "origins", "tls", "peer")},
+                                                     "shared_tenants", "origins", "tls", "peer",
+                                                     "recovery_messages")},
         "settings": {k: getattr(settings, k) for k in ("concurrency", "endpoint_concurrency", "claim_batch",
                                                        "poll_interval_seconds")},
         "receiver": {"path": "/ok", "verifies_signatures": False}, "phases": {}, "errors": {}}

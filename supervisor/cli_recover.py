@@ -8,6 +8,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS
+from supervisor.jobs import DEFAULT_RATE
 from supervisor.cli_common import Subcommands, UserError, parse_time, positive_int, print_json, run_async, table
 
 
@@ -113,6 +114,7 @@ def register(add: Subcommands) -> None:
     p.add_argument("--reason", choices=DEAD_REASONS, help="start: only this dead reason")
     p.add_argument("--force", action="store_true", help="start: also replay past the retry horizon "
                                                         "(a fresh horizon, as `outboxd replay --force`)")
-    p.add_argument("--rate", type=_positive_rate, default=50.0, help="start: messages per second at most (default 50)")
+    p.add_argument("--rate", type=_positive_rate, default=float(DEFAULT_RATE),
+                   help=f"start: messages per second at most (default {DEFAULT_RATE})")
     p.add_argument("--dry-run", action="store_true", help="start: only count what would be replayed")
     p.add_argument("--json", action="store_true", help="print JSON")

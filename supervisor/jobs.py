@@ -39,6 +39,7 @@ from supervisor.ops import rfc3339
 from supervisor.outage import OutageGuard
 
 CHUNK = 200  # messages per transaction at most (fewer when the rate is lower)
+DEFAULT_RATE = 50  # messages per second: well below what live traffic to one endpoint takes
 LEASE_SECONDS = 10.0  # a job stays with its daemon while it renews this; a dead daemon's job moves on after it
 IDLE_SECONDS = 1.0
 # State changes an operator may ask for, and the states they apply to.

@@ -40,7 +40,7 @@ def bench_url(pg_server_url: str) -> Iterator[str]:
 
 def _args(**overrides: object) -> argparse.Namespace:
     values = {"messages": 120, "rate": 50.0, "duration": 1.5, "bare_concurrency": "1,8", "shared_tenants": 20,
-              "origins": 3, "scale_rows": 5_000, "json": True}
+              "origins": 3, "scale_rows": 5_000, "recovery_messages": 200, "json": True}
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -56,7 +56,8 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
         "deliveries_per_s", "cpu_ms_per_delivery", "postgres_cpu_ms_per_delivery", "ratio_to_bare", "tail_ratio")}
     expected |= {"bare_best_requests_per_s", "bare_best_cpu_ms_per_request", "ratio_two_daemons_to_one",
                  "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "isolation_healthy_p99_ms",
-                 "isolation_p99_ratio", "claim_ms_empty", "claim_ms_scaled", "claim_time_ratio", "rss_mb_10k_due"}
+                 "isolation_p99_ratio", "claim_ms_empty", "claim_ms_scaled", "claim_time_ratio", "rss_mb_10k_due",
+                 "recovery_p99_ms_without_job", "recovery_p99_ms_with_job", "recovery_p99_ratio"}
     figures = report["figures"]
     assert expected <= figures.keys()
     for name in expected:
@@ -103,3 +104,17 @@ def test_bench_only_runs_the_named_phases(bench_url: str, capsys: pytest.Capture
     assert "figures" not in report  # ratios need the phases they compare
     with pytest.raises(BenchUsageError, match="no phase named nosuch"):
         run_bench(settings, _args(only="bare_c1,nosuch"))
+
+
+def test_the_recovery_phase_reports_live_p99_without_and_with_a_replay_job(bench_url: str,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": bench_url})
+    assert run_bench(settings, _args(only="latency_recovery", duration=3.0, recovery_messages=400)) == 0
+    report = json.loads(capsys.readouterr().out)
+    phase = report["phases"]["latency_recovery"]
+    assert report["errors"] == {} and report["options"]["recovery_messages"] == 400
+    for run in ("without_job", "with_job"):  # both measured, side by side (the ratio is not judged here)
+        assert phase[run]["arrived"] > 0 and phase[run]["p99_ms"] > 0, run
+    assert phase["p99_ratio"] == round(phase["with_job"]["p99_ms"] / phase["without_job"]["p99_ms"], 3)
+    assert phase["job"]["messages"] == 400 and phase["job"]["rate_per_s"] == 50  # the default rate
+    assert 0 < phase["job"]["replayed_during_run"] <= 400

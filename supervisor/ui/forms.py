@@ -18,7 +18,7 @@ FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
 REPLAY_LIMIT_MAX = 10_000
 REPLAY_LIMIT_DEFAULT = 1000
 JOB_RATE_MAX = 100_000  # as `outboxd recover start --rate`
-JOB_RATE_DEFAULT = 50
+JOB_RATE_DEFAULT = jobs.DEFAULT_RATE
 # The endpoint health windows the console offers (the rollup keeps a day: supervisor/health_stats.py).
 HEALTH_WINDOWS = {"15m": 900, "1h": 3600, "24h": 86_400}
 
