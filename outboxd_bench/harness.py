@@ -73,7 +73,8 @@ class Options:
         if options.rate <= 0 or options.duration <= 0:
             raise BenchUsageError("--rate and --duration must be positive")
         if min(options.scale_rows, options.shared_tenants, options.origins, options.recovery_messages) < 1:
-            raise BenchUsageError("--scale-rows, --shared-tenants, --origins and --recovery-messages must be at least 1")
+            raise BenchUsageError("--scale-rows, --shared-tenants, --origins and --recovery-messages "
+                                  "must be at least 1")
         if options.peer not in (None, "adcp"):
             raise BenchUsageError(f"--peer must be adcp, got {options.peer!r}")
         return options

@@ -9,34 +9,18 @@ from __future__ import annotations
 import collections
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 from sqlalchemy import func, select, update
 
-import outbox
 from outbox.db import make_async_engine
 from outbox.schema import job_items, jobs, messages
 from supervisor import jobs as recovery
 from tests import procs
+from tests.test_recovery_job import _enqueue, _outboxd
 
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.1/32"})
 HELD = 2_000
-
-
-def _enqueue(engine, tenant: str, url: str, n: int, start: int = 0) -> list[int]:
-    with engine.begin() as conn:
-        return [outbox.enqueue_task_webhook(
-            conn, tenant_id=tenant, task_id=f"{tenant}{i}", task_type="create_media_buy", status="completed",
-            settings=SETTINGS, push_notification_config={"url": url, "operation_id": "op"}).id
-            for i in range(start, start + n)]
-
-
-def _outboxd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=60)
 
 
 async def test_a_cancel_job_takes_pending_messages_of_its_range_and_leaves_in_flight_ones(engine):
@@ -124,7 +108,8 @@ def test_a_cancel_job_of_2000_survives_sigkill_and_cancels_each_message_once(eng
         items = collections.Counter(conn.execute(select(job_items.c.message_id).where(
             job_items.c.job_id == job_id)).scalars())
         rows = {r.id: r for r in conn.execute(select(messages))}
-    print(f"\nkilled at {at_kill['done']}/{HELD} cancelled; resumed to {job['done']}, {job['skipped']} in flight skipped")
+    print(f"\nkilled at {at_kill['done']}/{HELD} cancelled; resumed to {job['done']}, "
+          f"{job['skipped']} in flight skipped")
     assert job["total"] == HELD and job["done"] + job["skipped"] == HELD and job["skipped"] >= 1
     assert set(items.values()) == {1} and len(items) == job["done"]  # each at most once, by the database's key
     cancelled = {i for i in matching if (rows[i].state, rows[i].dead_reason) == ("dead", "cancelled")}

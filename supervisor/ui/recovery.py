@@ -71,9 +71,10 @@ def routes(kit: Kit) -> list[Route]:
             async with kit.engine().connect() as conn:
                 matched = await jobs.count(conn, selection)
                 now = await store.db_now(conn)
+            # the confirmation starts from this count's times
             return kit.render(request, "job_start.html", selection=selection, rate=rate, matched=matched,
                               since=rfc3339(selection.since), now=now,
-                              until="" if selection.until is None else rfc3339(selection.until))  # the confirmation starts from this count's time
+                              until="" if selection.until is None else rfc3339(selection.until))
         async with kit.engine().begin() as conn:
             job = await jobs.create(conn, selection, force=False, rate=rate)
         return RedirectResponse(f"/jobs/{job['id']}?notice=job-started", status_code=303)
