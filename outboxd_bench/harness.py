@@ -25,9 +25,10 @@ TENANTS = 10
 SETTLE_SECONDS = 1.0  # after "daemon.started": let LISTEN connect before work is committed
 SHUTDOWN_GRACE = 2.0
 BENCH_KEY_ID = "outboxd-bench"
-# outbox_signing_keys too: each run's daemons register that run's throwaway key (keyring bootstrap)
+# outbox_signing_keys too: each run's daemons register that run's throwaway key (keyring bootstrap);
+# the recovery jobs too: a job left running would go on replaying into the next run's rows
 OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
-                 "outbox_breaker_transitions", "outbox_signing_keys")
+                 "outbox_breaker_transitions", "outbox_signing_keys", "outbox_jobs", "outbox_job_items")
 # The operator's knobs, passed through from the configured settings: the daemons run with
 # whatever the operator runs (the defaults, unless tuned).
 PASS_THROUGH = ("concurrency", "endpoint_concurrency", "claim_batch", "poll_interval_seconds",
