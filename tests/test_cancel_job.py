@@ -122,3 +122,19 @@ def test_a_cancel_job_of_2000_survives_sigkill_and_cancels_each_message_once(eng
     assert cancelled_one in cancelled, "the newest message was in flight: pick a cancelled one"
     assert refused.returncode == 1 and "it was cancelled" in refused.stdout, refused.stdout
     assert shown.returncode == 0 and f"cancelled {job['done']}/{HELD}" in shown.stdout
+
+
+@pytest.mark.parametrize("engine", ["sqlite"], indirect=True)
+def test_recover_start_refuses_options_that_do_not_fit_a_cancel_job(engine, tmp_path):
+    env = procs.daemon_env(engine.url.render_as_string(hide_password=False), procs.make_key(tmp_path)[0])
+    for args, words in ((["--cancel-pending", "--reason", "gone"], "--cancel-pending takes pending ones"),
+                        (["--cancel-pending", "--force"], "--cancel-pending takes pending ones"),
+                        (["--cancel-pending", "--since", "1h", "--until", "2h"], "--until is before --since"),
+                        (["--since", "1h", "--until", "1m"], "--until bounds --cancel-pending"),
+                        (["--since", "1h", "--cancel-pending", "--until", "whenever"], "neither an ISO 8601 time")):
+        answer = _outboxd(env, "recover", "start", "--tenant", "acme", *args)
+        assert answer.returncode != 0 and words in answer.stderr, (args, answer.stderr)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(jobs)).scalar_one() == 0
+    counted = _outboxd(env, "recover", "start", "--cancel-pending", "--tenant", "acme", "--dry-run")
+    assert counted.returncode == 0 and counted.stdout.strip() == "would cancel 0 pending or in-flight message(s)"
