@@ -8,7 +8,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS
-from supervisor.jobs import DEFAULT_RATE
+from supervisor.jobs import DEFAULT_RATE, Selection
 from supervisor.cli_common import Subcommands, UserError, parse_time, positive_int, print_json, run_async, table
 
 
@@ -35,10 +35,8 @@ def _print_job(job: dict[str, Any]) -> None:
           f"at most {job['rate']:g}/s; updated {job['updated_at']}")
 
 
-def _selection(args: argparse.Namespace) -> Any:
+def _selection(args: argparse.Namespace) -> Selection:
     """The job ``recover start`` asks for, refusing options that do not fit its kind."""
-    from supervisor import jobs
-
     if not args.tenant:
         raise UserError("recover start needs --tenant")
     if args.cancel_pending:
@@ -46,12 +44,12 @@ def _selection(args: argparse.Namespace) -> Any:
             raise UserError("--reason and --force select dead messages to replay; --cancel-pending takes pending ones")
         if args.since is not None and args.until is not None and args.until < args.since:
             raise UserError("--until is before --since")
-        return jobs.Selection(args.tenant, args.since or 0.0, args.origin, kind="cancel", until=args.until)
+        return Selection(args.tenant, args.since or 0.0, args.origin, kind="cancel", until=args.until)
     if args.since is None:
         raise UserError("recover start needs --since (a time, or a duration ago like 6h)")
     if args.until is not None:
         raise UserError("--until bounds --cancel-pending's enqueue times; a replay takes what ended dead until now")
-    return jobs.Selection(args.tenant, args.since, args.origin, args.reason)
+    return Selection(args.tenant, args.since, args.origin, args.reason)
 
 
 def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
