@@ -26,10 +26,11 @@ FEW_ENDPOINTS = 10  # the many-endpoints phase's baseline: as many backlogged en
 SETTLE_SECONDS = 1.0  # after "daemon.started": let LISTEN connect before work is committed
 SHUTDOWN_GRACE = 2.0
 BENCH_KEY_ID = "outboxd-bench"
-# outbox_signing_keys too: each run's daemons register that run's throwaway key (keyring bootstrap)
+# outbox_signing_keys too: each run's daemons register that run's throwaway key (keyring bootstrap);
+# the recovery jobs too: a job left running would go on replaying into the next run's rows
 OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_due_origins",
-                 "outbox_due_endpoints", "outbox_due_arrivals",
-                 "outbox_breaker_transitions", "outbox_signing_keys")
+                 "outbox_due_endpoints", "outbox_due_arrivals", "outbox_breaker_transitions", "outbox_signing_keys",
+                 "outbox_jobs", "outbox_job_items")
 # The operator's knobs, passed through from the configured settings: the daemons run with
 # whatever the operator runs (the defaults, unless tuned).
 PASS_THROUGH = ("concurrency", "endpoint_concurrency", "claim_batch", "poll_interval_seconds",
@@ -55,6 +56,7 @@ class Options:
     peer: str | None = None
     only: tuple[str, ...] = ()  # phase names to run (empty: all)
     endpoints: int = 10_000  # backlogged endpoints of the many-endpoints phase
+    recovery_messages: int = 10_000  # dead messages of the recovery phase's replay job
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Options":
@@ -69,13 +71,15 @@ class Options:
                       not bool(getattr(args, "plain_http", False)), bool(getattr(args, "json", False)),
                       getattr(args, "peer", None),
                       tuple(p.strip() for p in str(getattr(args, "only", "") or "").split(",") if p.strip()),
-                      int(getattr(args, "endpoints", 10_000)))
+                      int(getattr(args, "endpoints", 10_000)),
+                      int(getattr(args, "recovery_messages", 10_000)))
         if options.messages < 1 or not levels or min(levels) < 1:
             raise BenchUsageError("--messages and every --bare-concurrency level must be at least 1")
         if options.rate <= 0 or options.duration <= 0:
             raise BenchUsageError("--rate and --duration must be positive")
-        if options.scale_rows < 1 or options.shared_tenants < 1 or options.origins < 1:
-            raise BenchUsageError("--scale-rows, --shared-tenants and --origins must be at least 1")
+        if min(options.scale_rows, options.shared_tenants, options.origins, options.recovery_messages) < 1:
+            raise BenchUsageError("--scale-rows, --shared-tenants, --origins and --recovery-messages "
+                                  "must be at least 1")
         if options.endpoints <= FEW_ENDPOINTS:
             raise BenchUsageError(f"--endpoints must be more than {FEW_ENDPOINTS}")
         if options.peer not in (None, "adcp"):

@@ -154,17 +154,20 @@ def phase_latency(bench: Bench, *, hang: bool) -> dict[str, Any]:
     bench.truncate()
     procs = bench.start_daemons(1, tag="hang" if hang else "latency")
     try:
-        return _offer_load(bench, hang=hang, daemon=procs[0])
+        return offer_load(bench, hang=hang, daemon=procs[0])
     finally:
         bench.stop_daemons(procs)
 
 
-def _offer_load(bench: Bench, *, hang: bool, daemon: Proc) -> dict[str, Any]:
+def offer_load(bench: Bench, *, hang: bool, daemon: Proc, one_origin: bool = False) -> dict[str, Any]:
+    """``--rate`` messages/s for ``--duration`` s, each committed alone; their commit-to-arrival
+    latencies. The tenth tenant has its own origin unless ``one_origin``."""
     rate, duration = bench.options.rate, bench.options.duration
     count = max(1, int(rate * duration))
     receivers = (bench.main, bench.aux)
     offsets = [r.offset() for r in receivers]
-    healthy_url, tenth_url = bench.main.url("/ok"), bench.aux.url("/hang" if hang else "/ok")
+    healthy_url = bench.main.url("/ok")
+    tenth_url = healthy_url if one_origin else bench.aux.url("/hang" if hang else "/ok")
     commits: dict[str, tuple[float, int]] = {}
     meter = CpuMeter(bench.engine, [daemon.pid], [r.proc.pid for r in receivers]).start()
     started = time.monotonic()

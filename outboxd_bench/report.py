@@ -71,6 +71,7 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
     out["ratio_two_daemons_to_one"] = round(ph["throughput_two_daemons"]["deliveries_per_s"]
                                             / ph["throughput_one_origin"]["deliveries_per_s"], 3)
     healthy, iso, scale, rss = ph["latency_healthy"], ph["latency_isolation"], ph["scale"], ph["rss_10k_due"]
+    recovery = ph["latency_recovery"]
     out.update({
         "latency_p50_ms": healthy["p50_ms"], "latency_p95_ms": healthy["p95_ms"], "latency_p99_ms": healthy["p99_ms"],
         "isolation_healthy_p99_ms": iso["p99_ms"], "isolation_p99_ratio": round(iso["p99_ms"] / healthy["p99_ms"], 3),
@@ -79,6 +80,8 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         "gauges_ms_scaled": scale["scaled"]["gauges_ms"], "gauges_time_ratio": scale["gauges_ratio"],
         "claim_buffers_ratio": scale["buffers_ratio"], "gauges_buffers_ratio": scale["gauges_buffers_ratio"],
         "rss_mb_10k_due": rss["peak_rss_mb"],
+        "recovery_p99_ms_without_job": recovery["without_job"]["p99_ms"],
+        "recovery_p99_ms_with_job": recovery["with_job"]["p99_ms"], "recovery_p99_ratio": recovery["p99_ratio"],
     })
     out.update(endpoint_figures(ph["endpoints"]))
     out.update(enqueue_figures(ph["enqueue"]))
@@ -114,6 +117,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         (f"p99 <= 25 ms at {o['rate']:g} msg/s", f["latency_p99_ms"], "<= 25 ms", f["latency_p99_ms"] <= 25),
         ("isolation: healthy p99 within 2x of all-healthy p99", f["isolation_p99_ratio"], "<= 2.0",
          f["isolation_p99_ratio"] <= 2.0),
+        (f"a replay job of {o['recovery_messages']:,} at the default rate: live p99 within 2x of without",
+         f["recovery_p99_ratio"], "<= 2.0", f["recovery_p99_ratio"] <= 2.0),
         (f"claim work (buffers) within +-20% with {o['scale_rows']:,} delivered rows", f["claim_buffers_ratio"],
          "0.8..1.2", 0.8 <= f["claim_buffers_ratio"] <= 1.2),
         (f"gauge work (buffers) within +-20% with {o['scale_rows']:,} delivered rows", f["gauges_buffers_ratio"],
@@ -186,6 +191,15 @@ def render_table(report: dict[str, Any]) -> str:
             lines.append(f"  {label:27}{r['offered']:>6}{r['offered_rate_per_s']:>8.1f}{r['arrived']:>8}"
                          f"{r['p50_ms']:>8.1f}{r['p95_ms']:>8.1f}{r['p99_ms']:>8.1f}{r['max_ms']:>8.1f}"
                          f"{r['daemon_cpu_s_per_1000']:>11.2f}{r['cpu']['box_busy']:>9.0%}")
+    recovery = ph.get("latency_recovery")
+    if recovery is not None:
+        job = recovery["job"]
+        for label, key in (("one origin, no job", "without_job"), ("same, replay job running", "with_job")):
+            r = recovery[key]
+            lines.append(f"  {label:27}{r['offered']:>6}{r['offered_rate_per_s']:>8.1f}{r['arrived']:>8}"
+                         f"{r['p50_ms']:>8.1f}{r['p95_ms']:>8.1f}{r['p99_ms']:>8.1f}{r['max_ms']:>8.1f}")
+        lines.append(f"  p99 with / without the job = {recovery['p99_ratio']:g} (the job: {job['messages']:,} dead "
+                     f"messages at most {job['rate_per_s']:g}/s, {job['replayed_during_run']:,} replayed meanwhile)")
     lines.append("")
     scale = ph.get("scale")
     if scale is not None:

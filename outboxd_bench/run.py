@@ -18,6 +18,7 @@ from outboxd_bench.enqueue import ENQUEUE_ROUNDS, phase_enqueue
 from outboxd_bench.harness import Bench, Options
 from outboxd_bench.peer import phase_peer
 from outboxd_bench.procs import BenchUsageError, PhaseError
+from outboxd_bench.recovery import phase_recovery
 from outboxd_bench.report import figures, machine_info, render_table, targets
 from outboxd_bench.scale import phase_scale
 from outboxd_bench.wrk import WRK_CONNECTIONS, phase_wrk
@@ -52,6 +53,8 @@ def plan(bench: Bench) -> list[Phase]:
         ("latency_healthy", f"latency at {o.rate:g}/s for {o.duration:g} s",
          lambda: phases.phase_latency(bench, hang=False)),
         ("latency_isolation", "latency with one tenant hanging", lambda: phases.phase_latency(bench, hang=True)),
+        ("latency_recovery", f"latency at {o.rate:g}/s to one origin, alone and with a replay job of "
+                             f"{o.recovery_messages:,} running", lambda: phase_recovery(bench)),
         ("rss_10k_due", f"RSS with {phases.DUE_FOR_RSS:,} due", lambda: phases.phase_rss(bench)),
         ("scale", f"claim plan with 0 and {o.scale_rows:,} delivered rows", lambda: phase_scale(bench)),
         ("enqueue", f"what an enqueue adds to a seller transaction, {ENQUEUE_ROUNDS:,} interleaved rounds",
@@ -84,7 +87,8 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
     bench = Bench(settings, options, progress)
     report: dict[str, Any] = {
         "options": {k: getattr(options, k) for k in ("messages", "rate", "duration", "scale_rows", "bare_concurrency",
-                                                     "shared_tenants", "origins", "tls", "peer", "endpoints")},
+                                                     "shared_tenants", "origins", "tls", "peer", "endpoints",
+                                                     "recovery_messages")},
         "settings": {k: getattr(settings, k) for k in ("concurrency", "endpoint_concurrency", "claim_batch",
                                                        "poll_interval_seconds")},
         "receiver": {"path": "/ok", "verifies_signatures": False}, "phases": {}, "errors": {}}

@@ -107,6 +107,8 @@ def register(add: Subcommands) -> None:
     p.add_argument("--scale-rows", type=int, default=1_000_000, help="delivered rows for the scale check")
     p.add_argument("--endpoints", type=int, default=10_000,
                    help="backlogged endpoints of the many-endpoints phase (compared with 10)")
+    p.add_argument("--recovery-messages", type=int, default=10_000,
+                   help="dead messages the recovery phase's replay job takes while live traffic runs (default 10000)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--only", default="", metavar="PHASE[,PHASE]",
                    help="run only these phases (names as in the JSON's phases, e.g. bare_c8,throughput_one_origin); "

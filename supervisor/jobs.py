@@ -1,15 +1,22 @@
-"""Recovery as a job: replay a tenant's dead messages in the background, durably.
+"""Recovery as a job: replay a tenant's dead messages, or cancel its pending ones, in the
+background, durably.
 
 ``outboxd recover start`` counts what its selection matches (the dry run) and writes a job
 row; the daemons run it (:class:`JobRunner`). Each chunk is one transaction that replays
-the next messages by id, records them in ``outbox_job_items`` and advances the job's
-cursor and counts: a daemon killed at any point leaves the job exactly at its last
-committed chunk, and the next daemon to take the job resumes there. The items' primary key
-(job, message) makes "each message replayed at most once per job" the database's rule.
+(or cancels) the next messages by id, records them in ``outbox_job_items`` and advances
+the job's cursor and counts: a daemon killed at any point leaves the job exactly at its
+last committed chunk, and the next daemon to take the job resumes there. The items'
+primary key (job, message) makes "each message handled at most once per job" the
+database's rule.
 
-The selection is fixed when the job is made: dead messages of the tenant (optionally one
-origin and one dead reason) that ended between ``since`` and the job's creation. A
-message replayed by the job that dies again is not taken twice. A job runs on one daemon
+The selection is fixed when the job is made. A ``replay`` job takes dead messages of the
+tenant (optionally one origin and one dead reason) that ended between ``since`` and the
+job's creation; a message replayed by the job that dies again is not taken twice. A
+``cancel`` job takes the tenant's pending messages (optionally one origin) enqueued
+between ``since`` and ``until`` (at most the job's creation) and ends them dead
+``cancelled``; one leased in flight when the job reaches it is skipped and counted, never
+ended under a daemon's lease (the update requires ``state = 'pending'``, which a claim
+changes in the same row). A job runs on one daemon
 at a time (a lease on its row), at most ``rate`` messages per second, so recovering a
 whole outage does not crowd out live traffic. Pause, resume and cancel change the row;
 the runner checks it before every chunk. See docs/observability.md, "Recovery jobs".
@@ -32,6 +39,7 @@ from supervisor.ops import rfc3339
 from supervisor.outage import OutageGuard
 
 CHUNK = 200  # messages per transaction at most (fewer when the rate is lower)
+DEFAULT_RATE = 50  # messages per second: well below what live traffic to one endpoint takes
 LEASE_SECONDS = 10.0  # a job stays with its daemon while it renews this; a dead daemon's job moves on after it
 IDLE_SECONDS = 1.0
 # State changes an operator may ask for, and the states they apply to.
@@ -39,17 +47,27 @@ TRANSITIONS = {"pause": (("running",), "paused"), "resume": (("paused",), "runni
                "cancel": (("running", "paused"), "cancelled")}
 
 
+KINDS = ("replay", "cancel")
+
+
 @dataclass(frozen=True)
 class Selection:
-    """Which dead messages a job replays."""
+    """Which messages a job takes: dead ones to replay, or (``kind='cancel'``) pending ones
+    enqueued from ``since`` to ``until`` to end dead ``cancelled``."""
 
     tenant_id: str
     since: float
     origin: str | None = None
     reason: str | None = None
+    kind: str = "replay"
+    until: float | None = None  # cancel only: the end of the enqueue-time range (default: the job's creation)
 
     def where(self, until: float, after: int = 0) -> Any:
         m = messages.c
+        if self.kind == "cancel":  # in flight too: reached while leased, it is skipped and counted
+            return and_(m.state.in_(("pending", "in_flight")), m.tenant_id == self.tenant_id,
+                        m.created_at >= self.since, m.created_at <= until, m.id > after,
+                        *([m.origin == self.origin] if self.origin else []))
         return and_(m.state == "dead", m.tenant_id == self.tenant_id, m.finished_at >= self.since,
                     m.finished_at <= until, m.id > after,
                     m.dead_reason != "proof_failed",  # never to a URL that failed its proof (docs/subscribers.md)
@@ -57,19 +75,25 @@ class Selection:
                     *([m.dead_reason == self.reason] if self.reason else []))
 
 
+def _until(selection: Selection, now: float) -> float:
+    """Where the selection ends: now, or a cancel job's earlier end of its range."""
+    return now if selection.until is None else min(selection.until, now)
+
+
 async def count(conn: AsyncConnection, selection: Selection) -> int:
     """The dry run: how many messages the selection matches now."""
-    now = await store.db_now(conn)
-    return int((await conn.execute(select(func.count()).where(selection.where(now)))).scalar_one())
+    until = _until(selection, await store.db_now(conn))
+    return int((await conn.execute(select(func.count()).where(selection.where(until)))).scalar_one())
 
 
 async def create(conn: AsyncConnection, selection: Selection, *, force: bool, rate: float) -> dict[str, Any]:
     """Write a running job for ``selection``; the daemons pick it up within a second."""
     now = await store.db_now(conn)
-    total = int((await conn.execute(select(func.count()).where(selection.where(now)))).scalar_one())
+    until = _until(selection, now)
+    total = int((await conn.execute(select(func.count()).where(selection.where(until)))).scalar_one())
     job_id = (await conn.execute(insert(jobs).values(
-        kind="replay", state="running", tenant_id=selection.tenant_id, origin=selection.origin,
-        reason=selection.reason, since=selection.since, until=now, force=force, rate=rate, total=total,
+        kind=selection.kind, state="running", tenant_id=selection.tenant_id, origin=selection.origin,
+        reason=selection.reason, since=selection.since, until=until, force=force, rate=rate, total=total,
         created_at=now, updated_at=now).returning(jobs.c.id))).scalar_one()
     await store.notify(conn)
     return await show(conn, job_id) or {}
@@ -100,8 +124,17 @@ async def change(conn: AsyncConnection, job_id: int, action: str) -> bool:
     return result.rowcount == 1
 
 
+async def _cancel(conn: AsyncConnection, job_id: int, ids: list[int]) -> list[int]:
+    """End those of ``ids`` still pending as dead ``cancelled``; one leased in flight is left alone."""
+    m = messages.c
+    ended = await conn.execute(update(messages).where(m.id.in_(ids), m.state == "pending").values(
+        held=False, state="dead", dead_reason="cancelled", finished_at=db_clock(),
+        last_error=f"cancelled by recovery job {job_id}").returning(m.id))
+    return sorted(ended.scalars())
+
+
 async def run_chunk(engine: AsyncEngine, job_id: int, *, daemon_id: str, horizon_seconds: int) -> int | None:
-    """Replay the job's next chunk in one transaction; how many messages it handled (0: the
+    """Replay (or cancel) the job's next chunk in one transaction; how many messages it handled (0: the
     job is finished now), or ``None`` when the job is no longer this daemon's to run."""
     async with engine.begin() as conn:
         locked = select(jobs).where(jobs.c.id == job_id)
@@ -112,7 +145,7 @@ async def run_chunk(engine: AsyncEngine, job_id: int, *, daemon_id: str, horizon
         if job is None or job.state != "running" or (job.leased_by not in (None, daemon_id)
                                                       and (job.lease_until or 0) > now):
             return None
-        selection = Selection(job.tenant_id, job.since, job.origin, job.reason)
+        selection = Selection(job.tenant_id, job.since, job.origin, job.reason, job.kind)
         size = max(1, min(CHUNK, int(job.rate)))
         ids = list((await conn.execute(select(messages.c.id).where(selection.where(job.until, job.cursor))
                                        .order_by(messages.c.id).limit(size))).scalars())
@@ -120,8 +153,9 @@ async def run_chunk(engine: AsyncEngine, job_id: int, *, daemon_id: str, horizon
             await conn.execute(update(jobs).where(jobs.c.id == job_id).values(
                 state="done", leased_by=None, lease_until=None, updated_at=now))
             return 0
-        replayed = await store.replay(conn, ids, force=job.force, horizon_seconds=horizon_seconds)
-        if replayed:  # a second replay of a message by this job would violate the key: the chunk rolls back
+        replayed = await _cancel(conn, job_id, ids) if job.kind == "cancel" else \
+            await store.replay(conn, ids, force=job.force, horizon_seconds=horizon_seconds)
+        if replayed:  # a second handling of a message by this job would violate the key: the chunk rolls back
             await conn.execute(insert(job_items), [{"job_id": job_id, "message_id": i} for i in replayed])
             await store.notify(conn)
         await conn.execute(update(jobs).where(jobs.c.id == job_id).values(

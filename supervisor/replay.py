@@ -18,6 +18,7 @@ from outbox import store
 from supervisor import ops
 
 CHUNK = 500  # messages per transaction: daemons start on each chunk as it commits
+CANCELLED_WHY = "it was cancelled (its subscriber removed, or a cancel job)"  # never sent again
 
 
 @dataclass
@@ -60,7 +61,7 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
                           refused=[{"id": c["id"], "state": c["state"],
                                     "why": "past its retry horizon (use --force)" if c["replayable"] else
                                     "its subscriber URL failed its proof" if c["dead_reason"] == "proof_failed"
-                                    else "its subscriber was removed" if c["dead_reason"] == "cancelled"
+                                    else CANCELLED_WHY if c["dead_reason"] == "cancelled"
                                     else f"state is {c['state']}"} for c in candidates if c not in eligible])
     if dry_run:
         result.replayed = [c["id"] for c in eligible]

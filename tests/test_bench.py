@@ -40,7 +40,7 @@ def bench_url(pg_server_url: str) -> Iterator[str]:
 
 def _args(**overrides: object) -> argparse.Namespace:
     values = {"messages": 120, "rate": 50.0, "duration": 1.5, "bare_concurrency": "1,8", "shared_tenants": 20,
-              "origins": 3, "scale_rows": 5_000, "endpoints": 200, "json": True}
+              "origins": 3, "scale_rows": 5_000, "endpoints": 200, "recovery_messages": 200, "json": True}
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -60,7 +60,8 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
                  "claim_buffers_10_endpoints", "claim_buffers_200_endpoints", "endpoints_claim_buffers_ratio",
                  "endpoints_few_deliveries_per_s", "endpoints_many_deliveries_per_s", "endpoints_rate_ratio",
                  "enqueue_task_webhook_added_p50_ms", "enqueue_delivery_report_added_p50_ms",
-                 "enqueue_event_added_p50_ms"}
+                 "enqueue_event_added_p50_ms",
+                 "recovery_p99_ms_without_job", "recovery_p99_ms_with_job", "recovery_p99_ratio"}
     figures = report["figures"]
     assert expected <= figures.keys()
     for name in expected:
@@ -111,3 +112,17 @@ def test_bench_only_runs_the_named_phases(bench_url: str, capsys: pytest.Capture
     assert "figures" not in report  # ratios need the phases they compare
     with pytest.raises(BenchUsageError, match="no phase named nosuch"):
         run_bench(settings, _args(only="bare_c1,nosuch"))
+
+
+def test_the_recovery_phase_reports_live_p99_without_and_with_a_replay_job(bench_url: str,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": bench_url})
+    assert run_bench(settings, _args(only="latency_recovery", duration=3.0, recovery_messages=400)) == 0
+    report = json.loads(capsys.readouterr().out)
+    phase = report["phases"]["latency_recovery"]
+    assert report["errors"] == {} and report["options"]["recovery_messages"] == 400
+    for run in ("without_job", "with_job"):  # both measured, side by side (the ratio is not judged here)
+        assert phase[run]["arrived"] > 0 and phase[run]["p99_ms"] > 0, run
+    assert phase["p99_ratio"] == round(phase["with_job"]["p99_ms"] / phase["without_job"]["p99_ms"], 3)
+    assert phase["job"]["messages"] == 400 and phase["job"]["rate_per_s"] == 50  # the default rate
+    assert 0 < phase["job"]["replayed_during_run"] <= 400

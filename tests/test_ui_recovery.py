@@ -121,6 +121,34 @@ def test_a_recovery_job_is_counted_started_paused_resumed_and_cancelled(engine, 
     assert 'id="job-1"' in listed and 'class="badge cancelled"' in listed
 
 
+def pending_matching(engine, tenant: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(messages).where(
+            messages.c.state.in_(("pending", "in_flight")), messages.c.tenant_id == tenant)).scalar_one()
+
+
+def test_a_cancel_pending_job_is_counted_then_started_from_its_own_form(engine, console):
+    client, csrf, _ = console
+    tenant = next(t for t in ("acme", "globex", "initech") if pending_matching(engine, t))
+    listed = client.get("/jobs").text
+    assert 'id="start-cancel-job"' in listed and 'name="kind" value="cancel"' in listed
+    dry = client.post("/jobs/start", data={"csrf": csrf, "kind": "cancel", "tenant": tenant, "rate": "7"})
+    count = re.search(r'id="job-dry-run-count"><strong>([\d,]+)</strong>', dry.text)
+    matched = pending_matching(engine, tenant)
+    assert dry.status_code == 200 and int(count.group(1).replace(",", "")) == matched and job_state(engine) == []
+    assert "pending or in-flight message(s) match now" in dry.text and "ended dead since" not in dry.text
+    confirm = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', dry.text.split("confirm-job")[1]))
+    assert confirm["kind"] == "cancel" and confirm["until"] == ""
+    started = client.post("/jobs/start", data=confirm, follow_redirects=False)
+    assert started.status_code == 303 and job_state(engine) == [("running", matched)]
+    with engine.connect() as conn:
+        row = conn.execute(select(jobs.c.kind, jobs.c.tenant_id, jobs.c.rate, jobs.c.reason)).one()
+    assert tuple(row) == ("cancel", tenant, 7, None)
+    page = client.get(started.headers["location"]).text
+    assert "cancel pending" in page and "Enqueued" in page and "Dead reason" not in page
+    assert 'class="badge cancelled"' not in client.get("/jobs").text and "cancel pending" in client.get("/jobs").text
+
+
 @pytest.mark.parametrize("engine", ["sqlite"], indirect=True)
 def test_job_actions_refuse_forgery_and_answer_mistakes_with_a_sentence(engine, console):
     client, csrf, _ = console
@@ -131,7 +159,11 @@ def test_job_actions_refuse_forgery_and_answer_mistakes_with_a_sentence(engine, 
     assert job_state(engine) == []
     for fields, words in (({"tenant": ""}, "needs a tenant and a time"), ({"since": "soonish"}, "Since: write a time"),
                           ({"rate": "fast"}, "“messages a second” must be a whole number from 1 to 100,000."),
-                          ({"reason": "exploded"}, "Reason must be one of:")):
+                          ({"reason": "exploded"}, "Reason must be one of:"),
+                          ({"kind": "purge"}, "either replays dead messages or cancels pending ones"),
+                          ({"kind": "cancel", "tenant": ""}, "Cancelling pending messages needs a tenant."),
+                          ({"kind": "cancel", "since": "1h", "until": "2h"}, "“Enqueued until” is before"),
+                          ({"kind": "cancel", "until": "later"}, "Enqueued until: write a time")):
         answer = client.post("/jobs/start", data={**start, "csrf": csrf, **fields})
         assert answer.status_code == 400 and words in unescape(answer.text) and "Traceback" not in answer.text
     assert job_state(engine) == []
@@ -141,11 +173,14 @@ def test_job_actions_refuse_forgery_and_answer_mistakes_with_a_sentence(engine, 
     assert client.get("/jobs/not-a-job").status_code == 404
 
 
-@given(st.dictionaries(st.sampled_from(["tenant", "since", "origin", "reason", "rate"]), st.text(max_size=30)))
+@given(st.dictionaries(st.sampled_from(["tenant", "since", "until", "origin", "reason", "rate", "kind"]),
+                      st.one_of(st.sampled_from(["cancel", "replay", "2h", "1h"]), st.text(max_size=30))))
 def test_any_typed_job_is_a_selection_or_a_sentence(fields):
     try:
         selection = job_selection(fields)
         assert selection.tenant_id and selection.tenant_id == selection.tenant_id.strip()
+        assert selection.kind in ("replay", "cancel")
+        assert selection.until is None or selection.until >= selection.since
     except BadInput as exc:
         assert "Traceback" not in str(exc) and "invalid literal" not in str(exc)
     try:

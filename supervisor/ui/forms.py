@@ -18,7 +18,7 @@ FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
 REPLAY_LIMIT_MAX = 10_000
 REPLAY_LIMIT_DEFAULT = 1000
 JOB_RATE_MAX = 100_000  # as `outboxd recover start --rate`
-JOB_RATE_DEFAULT = 50
+JOB_RATE_DEFAULT = jobs.DEFAULT_RATE
 # The endpoint health windows the console offers (the rollup keeps a day: supervisor/health_stats.py).
 HEALTH_WINDOWS = {"15m": 900, "1h": 3600, "24h": 86_400}
 
@@ -74,9 +74,20 @@ def page_start(value: str | None) -> int | None:
 
 
 def job_selection(params: Any) -> jobs.Selection:
-    """What a recovery job replays, from its start form: a tenant and a time are required."""
-    values = _fields(params, ("tenant", "since", "origin", "reason"))
+    """What a recovery job takes, from its start form: a replay needs a tenant and a time;
+    a cancel of pending messages a tenant, its enqueue-time range being optional."""
+    values = _fields(params, ("tenant", "since", "until", "origin", "reason", "kind"))
     tenant, since = values["tenant"], values["since"]
+    if values["kind"] == "cancel":
+        if not tenant:
+            raise BadInput("Cancelling pending messages needs a tenant.")
+        start = _time(since, "Enqueued since") if since else 0.0
+        end = _time(until, "Enqueued until") if (until := values["until"]) else None
+        if end is not None and end < start:
+            raise BadInput("“Enqueued until” is before “Enqueued since”.")
+        return jobs.Selection(tenant, start, values["origin"], kind="cancel", until=end)
+    if values["kind"] not in (None, "replay"):
+        raise BadInput("A recovery job either replays dead messages or cancels pending ones.")
     if not tenant or not since:
         raise BadInput("A recovery job needs a tenant and a time its dead messages ended since.")
     return jobs.Selection(tenant, _time(since, "Since"), values["origin"],

@@ -1,5 +1,6 @@
 """The console's recovery jobs: the list with each job's progress, a job's page, and start
-(a dry-run count first, then a confirmation), pause, resume and cancel (asked first).
+(a dry-run count first, then a confirmation) of a replay of dead messages or a cancel of
+pending ones, pause, resume and cancel (asked first).
 
 Every change goes through :mod:`supervisor.jobs`, the code ``outboxd recover`` runs, so the
 console starts exactly the job the CLI would. A job started here never uses ``--force``: a
@@ -24,10 +25,10 @@ from supervisor.ui.kit import Kit
 JOBS_SHOWN = 50
 # The banners a job action may ask for (see app.NOTICES: fixed words, never the address's).
 NOTICES = {
-    "job-started": "Recovery job started: the daemons replay its messages in the background.",
-    "job-paused": "Job paused: no more messages are replayed until it is resumed.",
+    "job-started": "Recovery job started: the daemons run it in the background.",
+    "job-paused": "Job paused: it takes no more messages until it is resumed.",
     "job-resumed": "Job resumed: a daemon picks it up again within a second.",
-    "job-cancelled": "Job cancelled: what it replayed stays replayed; nothing more will be.",
+    "job-cancelled": "Job cancelled: what it did stays done; it takes no more messages.",
     "job-unchanged": "Nothing changed: the job had already moved to another state.",
 }
 DONE_WORDS = {"pause": "job-paused", "resume": "job-resumed", "cancel": "job-cancelled"}
@@ -70,8 +71,10 @@ def routes(kit: Kit) -> list[Route]:
             async with kit.engine().connect() as conn:
                 matched = await jobs.count(conn, selection)
                 now = await store.db_now(conn)
+            # the confirmation starts from this count's times
             return kit.render(request, "job_start.html", selection=selection, rate=rate, matched=matched,
-                              since=rfc3339(selection.since), now=now)  # the confirmation starts from this count's time
+                              since=rfc3339(selection.since), now=now,
+                              until="" if selection.until is None else rfc3339(selection.until))
         async with kit.engine().begin() as conn:
             job = await jobs.create(conn, selection, force=False, rate=rate)
         return RedirectResponse(f"/jobs/{job['id']}?notice=job-started", status_code=303)
