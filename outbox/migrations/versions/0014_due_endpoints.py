@@ -4,7 +4,7 @@ how many endpoints have a backlog (docs/architecture.md, "Claiming ahead").
 - ``outbox_due_origins`` (origin, due) and ``outbox_due_endpoints`` (tenant, origin, due):
   a lower bound of the earliest ``next_attempt_at`` of the pending messages of each origin
   and endpoint. The claim reads them in due order and writes back what it found
-  (outbox/store.py, ``_claim_sql``).
+  (outbox/claim_sql.py, ``claim_sql``).
 - ``outbox_due_arrivals``: an append-only log of "this endpoint may be due at this time",
   written by a row trigger whenever a message becomes pending (insert, retry, release,
   rescue, replay) or comes due earlier, and when a breaker closes or is reset. Producers only

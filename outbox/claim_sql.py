@@ -1,0 +1,166 @@
+"""The claim: the one statement that leases due messages, for PostgreSQL and SQLite.
+
+Kept apart from the other statements (outbox/store.py) because it is the longest and the
+one every delivery pays for; docs/architecture.md ("Claiming ahead") and docs/performance.md
+("Many backlogged endpoints") say why it reads what it reads.
+"""
+
+from __future__ import annotations
+
+# When a message's retry horizon ends: counted from enqueue (a forced replay stamps its own).
+DEADLINE = "COALESCE(retry_until, created_at + COALESCE(horizon_seconds, :horizon))"
+# Every horizon is at least this long (AdCP delivery_retry_horizon_seconds minimum).
+MIN_HORIZON_SECONDS = 86_400
+
+
+def _write_back(name: str, source: str, same_key: str) -> str:
+    """The claim's write-back to ``outbox_due_{name}``: each row ``source`` read gets its new
+    due time, or goes when it has none. A row another claim holds is skipped, and so is one
+    rewritten since it was read (by ``gather_due``: new work arrived), whose version, and so
+    its ctid, is no longer the one read: left early, it is looked at again next time, never
+    late. Skipping, never waiting, a claim cannot deadlock with another or with
+    ``gather_due``."""
+    return f"""{name}_taken AS (
+                SELECT ctid AS row FROM outbox_due_{name}
+                WHERE ctid = ANY(ARRAY(SELECT row FROM {source})) FOR UPDATE SKIP LOCKED
+            ),
+            {name}_moved AS (
+                UPDATE outbox_due_{name} AS d SET due = a.due FROM {source} AS a
+                WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
+                  AND {same_key} AND a.due <> d.due
+            ),
+            {name}_done AS (
+                DELETE FROM outbox_due_{name} AS d USING {source} AS a
+                WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
+                  AND {same_key} AND a.due IS NULL
+            )"""
+
+
+def claim_sql(pg: bool, now: str) -> str:
+    """The claim: one statement that leases only what may be sent now.
+
+    Per endpoint (tenant, origin) it takes the oldest due messages, none while its breaker
+    is open or its half-open probe is out, one (the probe) once the open period is over.
+    Per origin it then deals slots round-robin across that origin's tenants, up to the
+    caller's per-origin lease budget (``:cap``; the claimer passes two rounds of
+    ``OUTBOX_ENDPOINT_CONCURRENCY``, see ``supervisor/dispatch.py``) minus what this daemon
+    already holds there (its in-flight rows, outcomes not yet recorded included), and across
+    origins it takes everyone's first slot before anyone's second: fair, and nothing is
+    claimed that would have to be handed back.
+
+    PostgreSQL reads the origins with due work longest-waiting first (``outbox_due_origins``,
+    at most ``:limit`` of them, passing over those where this daemon is at its budget), and
+    of each as many of its endpoints due longest as it has free slots
+    (``outbox_due_endpoints``); due heads come through LATERAL scans of
+    ``outbox_messages_endpoint_due_idx``. An origin with at least as many open, due
+    endpoints as free slots fills them in the first round, one row each; otherwise each is
+    read as deep as the origin's free slots. The statement then writes back the due time of
+    everything it visited. The cost is what is claimed (at most ``:limit`` origins and their
+    free slots), never how many endpoints have a backlog, the history or a long backlog (the
+    CTEs are MATERIALIZED: inlined, the planner may re-run the per-endpoint scans once per
+    candidate row). The two tables are kept by triggers and :attr:`_Statements.gather_due`
+    (migration 0014, docs/architecture.md "Claiming ahead"). SQLite (a single host's
+    outbox) ranks the due rows with a window function.
+    """
+    done = "jsonb_array_elements_text(CAST(:done AS jsonb))" if pg else "json_each(:done)"
+    room = f"""CASE WHEN b.state = 'open' AND b.open_until > {now} THEN 0
+                    WHEN b.state = 'half_open' AND b.probe_until > {now} THEN 0
+                    WHEN b.state IN ('open', 'half_open') THEN 1 ELSE :cap END"""
+    held = f"""
+        held AS {"MATERIALIZED " if pg else ""}(
+            SELECT COALESCE(origin, '') AS o, count(*) AS n FROM outbox_messages
+            WHERE state = 'in_flight' AND leased_by = :daemon
+              AND id NOT IN (SELECT CAST(value AS {"bigint" if pg else "integer"}) FROM {done})
+            GROUP BY COALESCE(origin, '')
+        ),"""
+    if pg:
+        heads = f"""{held}
+            origins AS MATERIALIZED (
+                SELECT d.origin AS o, d.ctid AS row, :cap - COALESCE(h.n, 0) AS free
+                FROM outbox_due_origins AS d LEFT JOIN held AS h ON h.o = d.origin
+                WHERE d.due <= {now} AND COALESCE(h.n, 0) < :cap
+                ORDER BY d.due LIMIT :limit
+            ),
+            visited AS MATERIALIZED (
+                SELECT e.t, g.o, e.due, e.row, g.free, {room} AS room,
+                       CASE b.state WHEN 'open' THEN b.open_until WHEN 'half_open' THEN b.probe_until END AS shut_until
+                FROM origins AS g CROSS JOIN LATERAL (
+                    SELECT d.tenant_id AS t, d.due, d.ctid AS row FROM outbox_due_endpoints AS d
+                    WHERE d.origin = g.o AND d.due <= {now} ORDER BY d.due LIMIT g.free) AS e
+                LEFT JOIN outbox_breakers AS b ON b.tenant_id = e.t AND b.origin = g.o
+            ),
+            gates AS MATERIALIZED (
+                SELECT t, o, LEAST(room, CASE WHEN count(*) OVER (PARTITION BY o) >= free THEN 1 ELSE free END) AS depth
+                FROM visited WHERE room > 0
+            ),
+            fetched AS MATERIALIZED (  -- one row past the depth: the endpoint's next due time after the claim
+                SELECT h.id, h.next_attempt_at, g.t, g.o, h.nth, h.nth <= g.depth AND h.next_attempt_at <= {now} AS head
+                FROM gates AS g CROSS JOIN LATERAL (
+                    SELECT m.id, m.next_attempt_at, row_number() OVER (ORDER BY m.next_attempt_at, m.id) AS nth
+                    FROM outbox_messages AS m
+                    WHERE m.state = 'pending' AND m.tenant_id = g.t AND COALESCE(m.origin, '') = g.o
+                    ORDER BY m.next_attempt_at, m.id LIMIT g.depth + 1) AS h
+            ),
+            heads AS (SELECT id, next_attempt_at, t, o, nth FROM fetched WHERE head),"""
+        # What was visited is written back (_write_back): each endpoint's next due time once
+        # this claim's rows are gone (its breaker's end while that blocks it), each origin's
+        # the earliest of its endpoints'.
+        repair = f""",
+            ahead AS MATERIALIZED (
+                SELECT v.t, v.o, v.row, CASE WHEN v.room > 0 THEN n.due ELSE v.shut_until END AS due
+                FROM visited AS v LEFT JOIN (
+                    SELECT t, o, min(next_attempt_at) AS due FROM fetched
+                    WHERE id NOT IN (SELECT picked_id FROM picked) GROUP BY t, o) AS n ON n.t = v.t AND n.o = v.o
+            ),
+            origins_ahead AS MATERIALIZED (
+                SELECT g.o, g.row, LEAST(
+                    (SELECT min(a.due) FROM ahead AS a WHERE a.o = g.o),
+                    (SELECT d.due FROM outbox_due_endpoints AS d
+                     WHERE d.origin = g.o AND d.tenant_id NOT IN (SELECT v.t FROM visited AS v WHERE v.o = g.o)
+                     ORDER BY d.due LIMIT 1)) AS due
+                FROM origins AS g
+            ),
+            {_write_back("endpoints", "ahead", "d.origin = a.o AND d.tenant_id = a.t")},
+            {_write_back("origins", "origins_ahead", "d.origin = a.o")}"""
+        lock = "FOR UPDATE OF m SKIP LOCKED"
+    else:
+        heads = f"""
+            heads AS (
+                SELECT id, next_attempt_at, t, o, nth FROM (
+                    SELECT m.id, m.next_attempt_at, m.tenant_id AS t, COALESCE(m.origin, '') AS o, {room} AS room,
+                           row_number() OVER (PARTITION BY m.tenant_id, COALESCE(m.origin, '')
+                                              ORDER BY m.next_attempt_at, m.id) AS nth
+                    FROM outbox_messages AS m
+                    LEFT JOIN outbox_breakers AS b ON b.tenant_id = m.tenant_id AND b.origin = m.origin
+                    WHERE m.state = 'pending' AND m.next_attempt_at <= {now}) AS ranked_rows
+                WHERE nth <= room
+            ),{held}"""
+        repair = ""
+        lock = ""
+    # The target table is not aliased: SQLite resolves RETURNING only so.
+    breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
+               " AND b.origin = outbox_messages.origin)")
+    return f"""
+        WITH {heads}
+        slots AS {"MATERIALIZED " if pg else ""}(
+            SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
+            FROM heads
+        ),
+        picked AS (
+            SELECT m.id AS picked_id FROM slots AS s JOIN outbox_messages AS m ON m.id = s.id
+            LEFT JOIN held AS h ON h.o = s.o
+            WHERE s.slot + COALESCE(h.n, 0) <= :cap AND m.state = 'pending'
+            ORDER BY s.slot, s.next_attempt_at, s.id
+            LIMIT :limit {lock}
+        ){repair}
+        UPDATE outbox_messages
+        SET state = 'in_flight', lease_token = :token, lease_expires_at = {now} + :lease,
+            leased_by = :daemon, attempts = attempts + 1,
+            first_attempt_at = COALESCE(first_attempt_at, {now}),
+            retry_until = {DEADLINE}
+        FROM picked WHERE outbox_messages.id = picked.picked_id
+        RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id, auth_mode, auth_secret,
+                  sequence_number, notification_type, attempts, retry_until, created_at, trigger,
+                  {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
+                  {breaker.format(col="open_until")} AS breaker_open_until, traceparent
+    """
