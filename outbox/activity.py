@@ -53,7 +53,10 @@ def activity_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-def _iso(epoch: float) -> str:
+def rfc3339(epoch: float | None) -> str | None:
+    """An epoch time as RFC 3339 in UTC with a ``Z`` (what Svix and Convoy print), to the millisecond."""
+    if epoch is None:
+        return None
     return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -73,7 +76,7 @@ def _common(row: Any, attempt: int, status: str, fired_at: float, completed_at: 
         record["notification_id"] = row.notification_id
     if row.subscriber_id is not None:
         record["subscriber_id"] = row.subscriber_id
-    record.update(fired_at=_iso(fired_at), completed_at=None if completed_at is None else _iso(completed_at),
+    record.update(fired_at=rfc3339(fired_at), completed_at=None if completed_at is None else rfc3339(completed_at),
                   notification_type=row.notification_type)
     if row.sequence_number is not None:
         record["sequence_number"] = row.sequence_number

@@ -43,7 +43,7 @@ def claim_sql(pg: bool, now: str) -> str:
     is open or its half-open probe is out, one (the probe) once the open period is over.
     Per origin it then deals slots round-robin across that origin's tenants, up to the
     caller's per-origin lease budget (``:cap``; the claimer passes two rounds of
-    ``OUTBOX_ENDPOINT_CONCURRENCY``, see ``supervisor/dispatch.py``) minus what this daemon
+    ``OUTBOX_ENDPOINT_CONCURRENCY``, see ``supervisor/cycle/dispatch.py``) minus what this daemon
     already holds there (its in-flight rows, outcomes not yet recorded included), and across
     origins it takes everyone's first slot before anyone's second: fair, and nothing is
     claimed that would have to be handed back.

@@ -137,7 +137,7 @@ class Settings:
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 3600.0
     retry_after_cap_seconds: float = 3600.0
-    # Circuit breakers (supervisor/breaker.py): open when, over the last window, at least
+    # Circuit breakers (supervisor/cycle/breaker.py): open when, over the last window, at least
     # the threshold of attempts failed and they are at least the ratio of all attempts.
     breaker_failure_threshold: int = 10
     breaker_failure_ratio: float = 0.7
@@ -158,7 +158,7 @@ class Settings:
     operator_events_format: str = "json"
     operator_event_sinks: tuple[str, ...] = ()
     operator_events_window_seconds: float = 300.0  # aggregation window of dead and expired messages
-    # HTTPS trust (supervisor/tls.py): a private CA file or directory, else certifi | system
+    # HTTPS trust (supervisor/wire/tls.py): a private CA file or directory, else certifi | system
     tls_ca_file: str | None = None
     tls_ca_dir: str | None = None
     tls_trust: str = "certifi"

@@ -2,7 +2,7 @@
 
 ``outbox_attempts`` is range-partitioned on ``occurred_at`` (epoch seconds), one partition
 per UTC day named ``outbox_attempts_pYYYYMMDD`` (migration ``0007_attempt_partitions``).
-The migration and every daemon (:mod:`supervisor.maintenance`, hourly) keep
+The migration and every daemon (:mod:`supervisor.cycle.maintenance`, hourly) keep
 :data:`AHEAD_DAYS` days of partitions ready, so an insert never meets a missing day even
 while daemons are down or one release behind for two weeks. ``outboxd purge`` detaches
 partitions wholly older than the retention ``CONCURRENTLY`` (delivery's inserts are never

@@ -213,7 +213,7 @@ breakers = Table(
     Column("open_until", _Epoch),
     Column("probe_until", _Epoch),
     Column("updated_at", _Epoch, nullable=False, server_default=db_now()),
-    # The failure-rate window (supervisor/breaker.py): current bucket and the previous one.
+    # The failure-rate window (supervisor/cycle/breaker.py): current bucket and the previous one.
     Column("window_started_at", _Epoch),
     Column("window_attempts", Integer, nullable=False, server_default="0"),
     Column("window_failures", Integer, nullable=False, server_default="0"),
@@ -252,7 +252,7 @@ subscribers = Table(
 
 ADCP_USES = ("request-signing", "webhook-signing")
 
-# The keyring (supervisor/keyring.py): a key's state is derived from its times, so every
+# The keyring (supervisor/keys/keyring.py): a key's state is derived from its times, so every
 # replica reading the same rows agrees on which key signs at any instant.
 signing_keys = Table(
     "outbox_signing_keys",
@@ -324,7 +324,7 @@ breaker_transitions = Table(
 # attempts that took at most LATENCY_BOUNDS_MS[i]; the last column counts the slower ones.
 LATENCY_BOUNDS_MS = (10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
-# Endpoint health (supervisor/health_stats.py): per minute, endpoint and daemon, what the
+# Endpoint health (supervisor/observe/health_stats.py): per minute, endpoint and daemon, what the
 # completer recorded. A window's health is the sum of its rows, whatever the attempt history.
 endpoint_stats = Table(
     "outbox_endpoint_stats",
@@ -341,7 +341,7 @@ endpoint_stats = Table(
     PrimaryKeyConstraint("minute", "tenant_id", "origin", "daemon_id", name="outbox_endpoint_stats_pkey"),
 )
 
-# Operator events (supervisor/events.py): one row per state change, its unique key chosen so
+# Operator events (supervisor/observe/events.py): one row per state change, its unique key chosen so
 # replicas noticing the same change insert one row; aggregated kinds count up until due_at.
 operator_events = Table(
     "outbox_operator_events",
@@ -365,7 +365,7 @@ operator_events = Table(
 
 JOB_STATES = ("running", "paused", "cancelled", "done")
 
-# Recovery jobs (supervisor/jobs.py): a replay the daemons run in the background, in chunks,
+# Recovery jobs (supervisor/operator/jobs.py): a replay the daemons run in the background, in chunks,
 # each committed with the job's progress; a crash resumes from the last chunk.
 jobs = Table(
     "outbox_jobs",

@@ -285,7 +285,7 @@ async def complete(conn: AsyncConnection, completions: Sequence[Completion]) -> 
     return {row.id for row in result}
 
 
-_INSERT_ATTEMPTS = attempts.insert()  # one statement object: supervisor/pgdirect.py caches its rendering
+_INSERT_ATTEMPTS = attempts.insert()  # one statement object: supervisor/cycle/pgdirect.py caches its rendering
 
 
 async def insert_attempts(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:

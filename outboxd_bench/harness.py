@@ -134,7 +134,7 @@ class Bench:
         self.owns_tables = True
 
     def setup(self) -> None:
-        from supervisor.signing import generate_signing_key_pem
+        from supervisor.wire.signing import generate_signing_key_pem
 
         self.key_file = self.workdir / "bench-key.pem"
         self.key_file.write_bytes(generate_signing_key_pem())

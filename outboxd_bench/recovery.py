@@ -35,7 +35,7 @@ def _dead_messages(bench: Bench, count: int) -> None:
 async def _start_job(database_url: str) -> int:
     """Start the replay job as ``outboxd recover start`` does, at the default rate."""
     from outbox.db import make_async_engine
-    from supervisor import jobs
+    from supervisor.operator import jobs
 
     engine = make_async_engine(database_url)
     try:

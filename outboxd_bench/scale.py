@@ -111,7 +111,7 @@ def measure_claim(bench: Bench, repeats: int) -> tuple[list[float], list[float],
 
 def _claim_limit(bench: Bench) -> int:
     """The daemon's first claim's limit: its whole lease budget is free, within a batch."""
-    from supervisor.claimer import LEASE_ROUNDS
+    from supervisor.cycle.claimer import LEASE_ROUNDS
 
     return min(LEASE_ROUNDS * bench.settings.concurrency, bench.settings.claim_batch)
 
@@ -119,8 +119,8 @@ def _claim_limit(bench: Bench) -> int:
 def _claim_params(bench: Bench) -> dict[str, Any]:
     """What the daemon binds (outbox/store.py, ``claim``) with the configured settings: the
     per-origin lease budget (``LEASE_ROUNDS`` rounds of ``OUTBOX_ENDPOINT_CONCURRENCY``,
-    supervisor/claimer.py) and no in-flight request already over."""
-    from supervisor.claimer import LEASE_ROUNDS
+    supervisor/cycle/claimer.py) and no in-flight request already over."""
+    from supervisor.cycle.claimer import LEASE_ROUNDS
 
     return {"limit": _claim_limit(bench), "lease": bench.settings.lease_seconds,
             "horizon": bench.settings.retry_horizon_seconds, "daemon": "bench", "token": uuid.uuid4().hex,
@@ -151,12 +151,12 @@ def _explain(bench: Bench, name: str, params: dict[str, Any]) -> tuple[float, fl
 
 
 def _timed_gauges(bench: Bench, repeats: int) -> list[float]:
-    """The daemon's own 15 s gauge sampler (supervisor/maintenance.py), timed from the client, ms."""
+    """The daemon's own 15 s gauge sampler (supervisor/cycle/maintenance.py), timed from the client, ms."""
     import asyncio
 
     from outbox.db import make_async_engine
-    from supervisor.maintenance import sample_gauges
-    from supervisor.metrics import Metrics
+    from supervisor.cycle.maintenance import sample_gauges
+    from supervisor.observe.metrics import Metrics
 
     async def run() -> list[float]:
         engine, metrics, times = make_async_engine(bench.settings.database_url), Metrics(), []

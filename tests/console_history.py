@@ -17,8 +17,8 @@ from sqlalchemy.engine import Engine
 import outbox
 from outbox.config import load_settings
 from outbox.schema import attempts, breakers, db_now, messages
-from supervisor import keyring
-from supervisor.signing import generate_signing_key_pem, load_signing_key
+from supervisor.keys import keyring
+from supervisor.wire.signing import generate_signing_key_pem, load_signing_key
 from tests.test_e2e import SETTINGS
 
 ENDPOINTS = (("acme", "http://127.0.0.1:9001"), ("acme", "http://127.0.0.1:9002"), ("globex", "http://127.0.0.1:9003"))

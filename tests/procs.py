@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from supervisor.signing import generate_signing_key_pem, load_signing_key
+from supervisor.wire.signing import generate_signing_key_pem, load_signing_key
 
 KEY_ID = "e2e-key"
 

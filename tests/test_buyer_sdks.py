@@ -25,8 +25,8 @@ from sqlalchemy import func, select
 import outbox
 from outbox.schema import messages
 from outboxd_receiver.verifiers import adcp_verifier
-from supervisor.signing import ADCP_USE_REQUEST, ADCP_USE_WEBHOOK, ALG_ED25519, ALG_ES256, DEFAULT_ADCP_USE
-from supervisor.signing import SigningKey, signature_headers
+from supervisor.wire.signing import ADCP_USE_REQUEST, ADCP_USE_WEBHOOK, ALG_ED25519, ALG_ES256, DEFAULT_ADCP_USE
+from supervisor.wire.signing import SigningKey, signature_headers
 from tests import procs, ts_sdk
 
 URL = "https://buyer.example/hooks/op_1?tenant=7"

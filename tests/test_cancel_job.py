@@ -16,7 +16,7 @@ from sqlalchemy import func, select, update
 
 from outbox.db import make_async_engine
 from outbox.schema import job_items, jobs, messages
-from supervisor import jobs as recovery
+from supervisor.operator import jobs as recovery
 from tests import procs
 from tests.test_recovery_job import _enqueue, _outboxd
 

@@ -13,8 +13,8 @@ from outbox import store
 from outbox.config import with_overrides
 from outbox.db import make_async_engine
 from outbox.schema import messages, subscribers
-from supervisor import challenge
-from supervisor.classify import Verdict
+from supervisor.cycle import challenge
+from supervisor.wire.classify import Verdict
 
 VALUE = "Zm9vYmFyYmF6cXV4Zm9vYmFyYmF6cXV4Zm9vYmFy"
 BODY = json.dumps({"type": "webhook.challenge", "challenge": VALUE}).encode()

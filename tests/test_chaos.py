@@ -78,7 +78,7 @@ async def test_half_open_breaker_closes_after_consecutive_probe_successes(any_ur
     """
     from outbox import store
     from outbox.db import make_async_engine
-    from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
+    from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 
     policy = CircuitBreakerPolicy(failure_threshold=2, success_threshold=2, open_timeout_seconds=0.0)
     engine = make_async_engine(any_url)
@@ -122,10 +122,10 @@ async def test_claimer_counts_unrecorded_outcomes_against_its_concurrency(any_ur
     import asyncio
 
     from outbox.db import make_async_engine
-    from supervisor.attempt import Outcome
-    from supervisor.claimer import Claimer
-    from supervisor.metrics import Metrics
-    from supervisor.outage import OutageGuard
+    from supervisor.cycle.attempt import Outcome
+    from supervisor.cycle.claimer import Claimer
+    from supervisor.observe.metrics import Metrics
+    from supervisor.cycle.outage import OutageGuard
 
     sync = make_engine(any_url)
     enqueue_batch(sync, [(f"t{i % 3}", "https://buyer.example.com/hook", message_key("bp", i)) for i in range(30)])
@@ -174,10 +174,10 @@ async def test_claimer_claims_again_for_freed_slots_only_when_work_was_left_behi
     import asyncio
 
     from outbox.db import make_async_engine
-    from supervisor.attempt import Outcome
-    from supervisor.claimer import Claimer
-    from supervisor.metrics import Metrics
-    from supervisor.outage import OutageGuard
+    from supervisor.cycle.attempt import Outcome
+    from supervisor.cycle.claimer import Claimer
+    from supervisor.observe.metrics import Metrics
+    from supervisor.cycle.outage import OutageGuard
 
     sync = make_engine(any_url)
     engine = make_async_engine(any_url)

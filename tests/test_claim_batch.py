@@ -18,10 +18,10 @@ from sqlalchemy import select, text
 import outbox
 from outbox.db import make_async_engine
 from outbox.schema import breakers, messages
-from supervisor.attempt import Outcome
-from supervisor.claimer import Claimer
-from supervisor.metrics import Metrics
-from supervisor.outage import OutageGuard
+from supervisor.cycle.attempt import Outcome
+from supervisor.cycle.claimer import Claimer
+from supervisor.observe.metrics import Metrics
+from supervisor.cycle.outage import OutageGuard
 from tests.test_db_faults import enqueue_batch, message_key
 
 URL = "https://buyer.example.com/hook"

@@ -1,4 +1,4 @@
-"""Status classification, Retry-After, signature error codes and back-off (supervisor.classify)."""
+"""Status classification, Retry-After, signature error codes and back-off (supervisor.wire.classify)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 try:
-    import supervisor.classify  # noqa: F401
+    import supervisor.wire.classify  # noqa: F401
 except ImportError:  # running from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from supervisor.classify import (
+from supervisor.wire.classify import (
     RetryPolicy,
     Verdict,
     classify_response,

@@ -65,7 +65,7 @@ def test_status_says_none_due_rather_than_zero_seconds(sqlite_engine, capsys, mo
 
 
 def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):
-    from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
+    from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 
     policy = CircuitBreakerPolicy()  # the defaults: a dead endpoint trips on its 10th failure
     row, _ = apply_outcomes(closed_row("acme", "https://buyer.example"), [False] * 10, now=100.0, policy=policy)

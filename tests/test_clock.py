@@ -28,9 +28,9 @@ from sqlalchemy.engine import make_url
 import outbox
 from outbox.db import make_async_engine, make_engine
 from outbox.migrate import upgrade
-from supervisor.clock import MAX_OFFSET_SECONDS, ClockOffsetError, DatabaseClock
-from supervisor.outage import OutageGuard
-from supervisor.signing import ALG_ED25519, SigningKey, signature_headers
+from supervisor.cycle.clock import MAX_OFFSET_SECONDS, ClockOffsetError, DatabaseClock
+from supervisor.cycle.outage import OutageGuard
+from supervisor.wire.signing import ALG_ED25519, SigningKey, signature_headers
 from tests import procs
 
 KEY = SigningKey("clock-key", ALG_ED25519, Ed25519PrivateKey.generate())

@@ -113,7 +113,7 @@ def test_any_env_value_is_legal_or_one_line_naming_it(name: str, raw: str) -> No
 def test_json_logs_carry_the_traceback_without_locals() -> None:
     script = (
         "import structlog\n"
-        "from supervisor.logs import configure_logging\n"
+        "from supervisor.observe.logs import configure_logging\n"
         "configure_logging('json')\n"
         "def deep(secret):\n"
         "    raise RuntimeError('boom')\n"

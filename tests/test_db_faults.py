@@ -396,11 +396,11 @@ async def test_completer_isolates_an_outcome_the_database_refuses(any_url):
     from outbox import store
     from outbox.db import make_async_engine
     from sinks.fanout import SinkFanout
-    from supervisor.attempt import Outcome
-    from supervisor.completer import Completer
-    from supervisor.maintenance import rescue_once
-    from supervisor.metrics import Metrics
-    from supervisor.outage import OutageGuard
+    from supervisor.cycle.attempt import Outcome
+    from supervisor.cycle.completer import Completer
+    from supervisor.cycle.maintenance import rescue_once
+    from supervisor.observe.metrics import Metrics
+    from supervisor.cycle.outage import OutageGuard
 
     sync = make_engine(any_url)
     enqueue_batch(sync, [("poison" if i in (3, 17) else "healthy", "https://buyer.example.com/hook",
@@ -469,10 +469,10 @@ async def test_drain_at_shutdown_records_the_batch_being_flushed(any_url):
     from outbox import store
     from outbox.db import make_async_engine
     from sinks.fanout import SinkFanout
-    from supervisor.attempt import Outcome
-    from supervisor.completer import Completer
-    from supervisor.metrics import Metrics
-    from supervisor.outage import OutageGuard
+    from supervisor.cycle.attempt import Outcome
+    from supervisor.cycle.completer import Completer
+    from supervisor.observe.metrics import Metrics
+    from supervisor.cycle.outage import OutageGuard
 
     sync = make_engine(any_url)
     enqueue_batch(sync, [("t1", "https://buyer.example.com/hook", message_key("drain", i)) for i in range(10)])

@@ -1,4 +1,4 @@
-"""supervisor.dispatch.Dispatcher: per-origin slots and the queue of messages waiting for one."""
+"""supervisor.cycle.dispatch.Dispatcher: per-origin slots and the queue of messages waiting for one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from outbox.store import Claimed
-from supervisor.dispatch import Dispatcher
+from supervisor.cycle.dispatch import Dispatcher
 
 PROTO = Claimed(id=0, tenant_id="t", url="https://a.example/", origin="https://a.example", idempotency_key="k",
                 body=b"{}", body_sha256=None, auth_mode="rfc9421", auth_secret=None, sequence_number=None,

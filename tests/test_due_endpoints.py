@@ -22,7 +22,7 @@ from sqlalchemy import text
 from outbox import store
 from outbox.db import make_async_engine
 from outbox.store import _STATEMENTS
-from supervisor.breaker import closed_row
+from supervisor.cycle.breaker import closed_row
 from tests.test_scheduling import _url
 
 ORIGIN = "https://buyer-0.example.com"  # what _insert gives every message with one origin

@@ -15,10 +15,10 @@ import outbox
 from outbox.db import make_async_engine
 from outbox.schema import LATENCY_BOUNDS_MS, attempts, endpoint_stats, messages, operator_events
 from outbox.store import db_now
-from supervisor import health_stats
-from supervisor.health_stats import Recorded, bucket_of, endpoint_health, quantile, tally
-from supervisor.maintenance import sample_gauges
-from supervisor.metrics import Metrics
+from supervisor.observe import health_stats
+from supervisor.observe.health_stats import Recorded, bucket_of, endpoint_health, quantile, tally
+from supervisor.cycle.maintenance import sample_gauges
+from supervisor.observe.metrics import Metrics
 from tests import procs
 
 SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})

@@ -1,7 +1,7 @@
 """The retry horizon is judged when each request starts, in the database's time.
 
 A message leased in the second round of its origin (waiting in memory for a slot,
-``supervisor/dispatch.py``) starts seconds after its claim; a ``Retry-After`` date arrives
+``supervisor/cycle/dispatch.py``) starts seconds after its claim; a ``Retry-After`` date arrives
 seconds after it too. Both must be measured then, not at the claim.
 """
 
@@ -25,9 +25,9 @@ import outbox
 from outbox.db import make_async_engine
 from outbox.schema import attempts, messages
 from outbox.store import Claimed
-from supervisor.attempt import attempt
-from supervisor.keyring_cache import CachedKeyring
-from supervisor.transport import HttpSender
+from supervisor.cycle.attempt import attempt
+from supervisor.keys.keyring_cache import CachedKeyring
+from supervisor.wire.transport import HttpSender
 from tests import procs
 
 SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})

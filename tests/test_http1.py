@@ -1,4 +1,4 @@
-"""supervisor.http1: the daemon's HTTP/1.1 connection, differentially against h11.
+"""supervisor.wire.http1: the daemon's HTTP/1.1 connection, differentially against h11.
 
 h11 (the pure-Python parser under httpx) is the oracle: hypothesis writes responses with
 every framing HTTP/1.1 allows (Content-Length, chunked with extensions and trailers, a body
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor.http1 import Http1Connection, Response, TransportFailure, encode_request
-from supervisor.transport import HttpSender
+from supervisor.wire.http1 import Http1Connection, Response, TransportFailure, encode_request
+from supervisor.wire.transport import HttpSender
 from tests.test_transport import BODY, HEADERS, Request, ok, response  # noqa: F401 - fixtures below
 from tests.test_transport import event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
 from tests.test_transport import settings as transport_settings

@@ -1,4 +1,4 @@
-"""The keyring's state machine and CLI on PostgreSQL and SQLite (supervisor/keyring.py).
+"""The keyring's state machine and CLI on PostgreSQL and SQLite (supervisor/keys/keyring.py).
 
 Times are the database's; a test that needs "later" reads a key's state at a later instant
 (state is a pure function of the stored times) instead of sleeping, except where a real
@@ -18,11 +18,11 @@ from cryptography.hazmat.primitives import serialization
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.errors import ConfigurationError
-from supervisor import keyring
+from supervisor.keys import keyring
 from supervisor.cli import main
-from supervisor.keyring import KeyringError, read_snapshot
-from supervisor.keyring_cache import CachedKeyring
-from supervisor.signing import MAX_VALIDITY_SECONDS, generate_signing_key_pem, load_signing_key
+from supervisor.keys.keyring import KeyringError, read_snapshot
+from supervisor.keys.keyring_cache import CachedKeyring
+from supervisor.wire.signing import MAX_VALIDITY_SECONDS, generate_signing_key_pem, load_signing_key
 
 ISSUER = "https://seller.example.com"
 

@@ -22,8 +22,8 @@ from sqlalchemy import select
 
 import outbox
 from outbox.schema import attempts, messages
-from supervisor import keyring
-from supervisor.keyring import KeyringError
+from supervisor.keys import keyring
+from supervisor.keys.keyring import KeyringError
 from tests import procs
 from tests.pgcluster import free_port
 from tests.test_e2e import SETTINGS

@@ -14,7 +14,7 @@ import outbox
 from outbox.db import make_async_engine
 from outbox.schema import breaker_transitions, messages, operator_events
 from outbox.store import db_now
-from supervisor import events
+from supervisor.observe import events
 from tests import procs
 
 RECEIVED: list[dict] = []

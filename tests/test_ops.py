@@ -16,7 +16,7 @@ from sqlalchemy import select
 import outbox
 from outbox.schema import attempts, breakers, messages
 from supervisor.cli import main
-from supervisor.signing import load_signing_key
+from supervisor.wire.signing import load_signing_key
 from tests import procs
 from tests.test_e2e import SETTINGS, enqueue_many, finished
 

@@ -1,4 +1,4 @@
-"""supervisor.outage: failed statements are counted per activity, and their cause is named
+"""supervisor.cycle.outage: failed statements are counted per activity, and their cause is named
 from the database's own errors (real PostgreSQL, no stand-ins)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import psycopg
 import pytest
 
-from supervisor.outage import POOLER_HINT, DatabaseUnavailable, OutageGuard, diagnose
+from supervisor.cycle.outage import POOLER_HINT, DatabaseUnavailable, OutageGuard, diagnose
 
 
 def _error_of(pg_url: str, *statements: str) -> psycopg.Error:

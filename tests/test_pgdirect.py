@@ -1,4 +1,4 @@
-"""supervisor.pgdirect: the hot statements on the driver's own connection read and write
+"""supervisor.cycle.pgdirect: the hot statements on the driver's own connection read and write
 exactly what they do through SQLAlchemy, and the connection comes back after it is lost."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import attempts, messages
 from outbox.store import Completion
-from supervisor.pgdirect import DirectConnection
+from supervisor.cycle.pgdirect import DirectConnection
 from tests.test_db_faults import enqueue_batch, message_key
 
 CLAIM = dict(limit=50, lease_seconds=30.0, horizon_seconds=86_400, endpoint_concurrency=16)

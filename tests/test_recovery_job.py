@@ -18,8 +18,8 @@ from sqlalchemy import func, select, text, update
 import outbox
 from outbox.db import make_async_engine
 from outbox.schema import job_items, jobs, messages
-from supervisor import jobs as recovery
-from supervisor.outage import OutageGuard
+from supervisor.operator import jobs as recovery
+from supervisor.cycle.outage import OutageGuard
 from tests import procs
 
 SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.1/32"})

@@ -13,9 +13,9 @@ from sqlalchemy import select
 
 from outbox.db import make_async_engine
 from outbox.schema import messages
-from supervisor.maintenance import Maintenance
-from supervisor.metrics import Metrics
-from supervisor.outage import OutageGuard
+from supervisor.cycle.maintenance import Maintenance
+from supervisor.observe.metrics import Metrics
+from supervisor.cycle.outage import OutageGuard
 from tests.test_e2e import enqueue_many
 
 

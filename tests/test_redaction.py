@@ -22,14 +22,14 @@ from outbox.schema import attempts, messages
 from outbox.sealing import CREDENTIAL
 from outbox.urls import endpoint_origin, public_url, redact_urls
 from sinks.fanout import SinkFanout
-from supervisor.attempt import attempt
+from supervisor.cycle.attempt import attempt
 from supervisor.cli import main
-from supervisor.completer import Completer
-from supervisor.metrics import Metrics
-from supervisor.outage import OutageGuard
-from supervisor.keyring_cache import CachedKeyring
-from supervisor.signing import generate_signing_key_pem
-from supervisor.transport import HttpSender
+from supervisor.cycle.completer import Completer
+from supervisor.observe.metrics import Metrics
+from supervisor.cycle.outage import OutageGuard
+from supervisor.keys.keyring_cache import CachedKeyring
+from supervisor.wire.signing import generate_signing_key_pem
+from supervisor.wire.transport import HttpSender
 
 SECRET = "SENTINEL"
 REPORTING = {"url": f"https://buyer.example.com/reports?sig={SECRET}", "operation_id": "op_rep",
@@ -216,7 +216,7 @@ def test_log_lines_lose_every_urls_secrets(capsys):
     """The structlog processor is the second line of defence for any field that embeds a URL."""
     import structlog
 
-    from supervisor.logs import configure_logging
+    from supervisor.observe.logs import configure_logging
 
     configure_logging("json")
     try:
@@ -230,7 +230,7 @@ def test_log_lines_lose_every_urls_secrets(capsys):
 
 
 async def test_an_error_quoting_a_url_is_recorded_without_its_secrets(engine, settings):
-    from supervisor.attempt import Outcome
+    from supervisor.cycle.attempt import Outcome
 
     with engine.begin() as conn:
         _plain_sql_row(conn, "whk_error_quotes_a_url_1", "https://buyer.example.com/h")

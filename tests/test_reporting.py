@@ -141,7 +141,7 @@ def test_revoking_a_subscriber_cancels_its_unsent_messages(engine, cfg, revoke):
 
 def test_a_cancelled_message_is_never_replayed(engine, cfg):
     from outbox.db import make_async_engine
-    from supervisor.replay import replay
+    from supervisor.operator.replay import replay
 
     register(engine, cfg, "a-1", "buyer-a")
     prove_all(engine)

@@ -349,7 +349,7 @@ def test_an_always_failing_buyer_expires_at_the_horizon_without_delaying_another
         (result,) = asyncio.run(hand_off())
         handed[tenant] = result.message_id
     # This test's short horizon: as if enqueued a day less 66 s ago, so its last try (a minute
-    # before the horizon, supervisor/completer.py) is due in about 6 s.
+    # before the horizon, supervisor/cycle/completer.py) is due in about 6 s.
     with pg_engine.begin() as conn:
         conn.execute(update(messages).where(messages.c.id == handed["t1"])
                      .values(created_at=messages.c.created_at - 86_400 + 66))

@@ -18,7 +18,7 @@ from sqlalchemy import select, text, update
 from outbox import store
 from outbox.db import make_async_engine, make_engine
 from outbox.schema import breakers, messages
-from supervisor.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
+from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 from tests.test_db_faults import enqueue_batch, message_key
 
 HORIZON = 86_400
@@ -114,7 +114,7 @@ async def test_horizon_counts_from_enqueue_and_expiry_needs_no_attempt(engine):
 
 async def test_breaker_row_created_by_two_daemons_at_once_keeps_both_failures(engine):
     """Two flushes record the first failure of the same endpoint concurrently."""
-    from supervisor.completer import Completer
+    from supervisor.cycle.completer import Completer
 
     key = ("t1", "https://buyer.example.com")
     policy = CircuitBreakerPolicy()
@@ -228,7 +228,7 @@ def test_breaker_row_unchanged_for_a_healthy_endpoint():
 
 
 def test_a_retry_that_would_overshoot_the_horizon_gets_one_last_try_before_it():
-    from supervisor.completer import LAST_TRY_MARGIN_SECONDS as margin, retry_at
+    from supervisor.cycle.completer import LAST_TRY_MARGIN_SECONDS as margin, retry_at
 
     end = 10_000.0
     assert retry_at(100.0, 50.0, end) == 150.0

@@ -18,7 +18,7 @@ from outbox.sealing import plaintext
 from outbox.config import ConfigurationError, load_settings
 from outbox.schema import messages
 from outbox.sealing import KeyUnavailable, SealError, key_id
-from supervisor.attempt import opened
+from supervisor.cycle.attempt import opened
 from tests import stored
 
 TOKEN = "buyer-token-PLAINTEXT-canary-0042"
@@ -176,7 +176,7 @@ def test_cli_show_and_status_never_print_a_secret(pg_engine, pg_url, monkeypatch
 
 async def test_reseal_moves_every_row_onto_the_active_key(engine):
     from outbox.db import make_async_engine
-    from supervisor.resealer import reseal_all
+    from supervisor.cycle.resealer import reseal_all
 
     old, new = new_key(), new_key()
     plain = enqueue_all_kinds(engine, sealing_settings(None), token="plaintext-written-token-000001")

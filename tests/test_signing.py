@@ -1,4 +1,4 @@
-"""supervisor.signing against three independent oracles.
+"""supervisor.wire.signing against three independent oracles.
 
 1. The official AdCP webhook-signing conformance vectors bundled with the ``adcp`` SDK.
 2. The SDK's own verifiers (RFC 9421 webhook profile and legacy HMAC).
@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from outbox.errors import ConfigurationError
 from outbox.urls import canonicalize_url
-from supervisor.signing import (
+from supervisor.wire.signing import (
     ALG_ED25519,
     ALG_ES256,
     COMPONENTS,

@@ -13,11 +13,11 @@ import pytest
 import outbox
 from outbox.store import Claimed
 from outbox.urls import blocked_reason
-from supervisor.attempt import attempt
+from supervisor.cycle.attempt import attempt
 from outbox.db import make_async_engine
-from supervisor.keyring_cache import CachedKeyring
-from supervisor.signing import generate_signing_key_pem
-from supervisor.transport import HttpSender
+from supervisor.keys.keyring_cache import CachedKeyring
+from supervisor.wire.signing import generate_signing_key_pem
+from supervisor.wire.transport import HttpSender
 
 BLOCKED = [
     ("10.1.2.3", "private"), ("172.16.0.1", "private"), ("192.168.1.1", "private"),

@@ -1,4 +1,4 @@
-"""HTTPS trust as operators configure it (supervisor/tls.py): a private CA by file or
+"""HTTPS trust as operators configure it (supervisor/wire/tls.py): a private CA by file or
 directory, SSL_CERT_FILE / SSL_CERT_DIR, the system store via truststore, certifi by default.
 Each case POSTs to a real TLS receiver on 127.0.0.1 whose certificate a throwaway CA signed."""
 
@@ -16,8 +16,8 @@ from outbox.config import load_settings
 from outbox.errors import ConfigurationError
 from outboxd_bench.certs import make_tls_files
 from outboxd_receiver import Receiver, serve
-from supervisor.tls import tls_context
-from supervisor.transport import HttpSender
+from supervisor.wire.tls import tls_context
+from supervisor.wire.transport import HttpSender
 
 BODY = b'{"idempotency_key": "whk_tls_case_0001"}'
 

@@ -24,7 +24,7 @@ from sqlalchemy import select
 
 from outbox.config import load_settings
 from outbox.schema import attempts, messages
-from supervisor.transport import HttpSender
+from supervisor.wire.transport import HttpSender
 from tests.test_db_faults import enqueue_batch, message_key
 
 NOW = datetime.datetime.now(datetime.timezone.utc)

@@ -163,8 +163,8 @@ def test_off_unless_configured_and_nothing_imported(pg_url, tmp_path):
     script = f"""
 import sys, asyncio, outbox
 from outbox.db import make_engine
-from supervisor import tracing
-from supervisor.daemon import Daemon
+from supervisor.observe import tracing
+from supervisor.cycle.daemon import Daemon
 settings = outbox.load_settings(env={{"OUTBOX_DATABASE_URL": {pg_url!r}, "OUTBOX_ALLOW_HTTP": "true",
                                       "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"}})
 engine = make_engine({pg_url!r})

@@ -1,4 +1,4 @@
-"""supervisor.transport.HttpSender against real sockets on 127.0.0.1.
+"""supervisor.wire.transport.HttpSender against real sockets on 127.0.0.1.
 
 Every peer is a small asyncio server written here, so each test controls the exact bytes
 (and resets, stalls, garbage) a hostile receiver can produce. Host names such as
@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from outbox.config import Settings
-from supervisor.transport import RESPONSE_BODY_CAP, HttpSender, _default_resolver
+from supervisor.wire.transport import RESPONSE_BODY_CAP, HttpSender, _default_resolver
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 SECRET = "SECRET123456"
@@ -584,8 +584,8 @@ async def test_a_connection_handed_to_a_waiter_that_gave_up_goes_back_to_the_poo
     """The pool's hand-over race: a waiter that gives up (cancelled, or its pool timeout: one
     handler serves both) in the same loop turn as a connection was handed to it must not take
     that connection, or its slot, with it."""
-    from supervisor.http1 import Http1Connection
-    from supervisor.transport import _Origin, _target
+    from supervisor.wire.http1 import Http1Connection
+    from supervisor.wire.transport import _Origin, _target
 
     sender = senders(settings(endpoint_concurrency=1))
     entry = _Origin(_target("http://127.0.0.1:1/"), opened=1)  # its one connection is in use

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from outbox.config import load_settings
 from outbox.db import make_async_engine
 from outbox.schema import jobs, messages
-from supervisor import health_stats
+from supervisor.observe import health_stats
 from supervisor.ui.forms import JOB_RATE_MAX, BadInput, job_number, job_rate, job_selection
 from tests.console_history import ENDPOINTS, OPEN_ENDPOINT, seed
 from tests.test_ui import bucket_bounds, tile

@@ -145,8 +145,8 @@ async def test_every_page_renders_on_sqlite(sqlite_engine, sqlite_url, tmp_path)
 
 
 async def test_signing_keys_name_the_scopes_that_cannot_sign(engine, tmp_path):
-    from supervisor import keyring
-    from supervisor.signing import generate_signing_key_pem, load_signing_key
+    from supervisor.keys import keyring
+    from supervisor.wire.signing import generate_signing_key_pem, load_signing_key
 
     seed(engine, tmp_path, per_endpoint=1)  # the default scope: one active key, one staged
     with engine.begin() as conn:

@@ -29,9 +29,9 @@ from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.urls import canonicalize_url, validate_destination
 from outboxd_receiver import Receiver, adcp_verifier, serve
-from supervisor.classify import classify_transport_error
-from supervisor.signing import ALG_ED25519, SigningKey, signature_headers
-from supervisor.transport import HttpSender
+from supervisor.wire.classify import classify_transport_error
+from supervisor.wire.signing import ALG_ED25519, SigningKey, signature_headers
+from supervisor.wire.transport import HttpSender
 
 T = TypeVar("T")
 KEY = SigningKey("fidelity-key", ALG_ED25519, Ed25519PrivateKey.generate())

@@ -34,7 +34,7 @@ import outbox
 from outbox import aio, protocol
 from outbox.db import make_async_engine, make_engine
 from outbox.migrate import upgrade
-from supervisor import keyring
+from supervisor.keys import keyring
 
 SETTINGS = outbox.load_settings()  # the daemon's settings: same database, key and horizon
 TENANT = "example-seller"  # the outbox tenant: breakers and signing keys are per tenant

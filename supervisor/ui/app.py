@@ -1,7 +1,7 @@
 """The console's pages and its actions, replay and breaker reset (recovery jobs: :mod:`supervisor.ui.recovery`).
 
-Every read goes through :mod:`supervisor.ops` or :mod:`supervisor.ui.queries` (which mask
-like ``outboxd show``) and every replay through :func:`supervisor.replay.replay`, the code
+Every read goes through :mod:`supervisor.operator.ops` or :mod:`supervisor.ui.queries` (which mask
+like ``outboxd show``) and every replay through :func:`supervisor.operator.replay.replay`, the code
 ``outboxd replay`` runs, so the console can neither show a secret the CLI hides nor replay
 what the CLI would refuse.
 """
@@ -28,8 +28,9 @@ from outbox import store
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
-from supervisor import health_stats, ops
-from supervisor.replay import replay
+from supervisor.observe import health_stats
+from supervisor.operator import ops
+from supervisor.operator.replay import replay
 from supervisor.ui import charts, present, queries, recovery
 from supervisor.ui.auth import COOKIE, Sessions
 from supervisor.ui.forms import (FILTER_FIELDS, HEALTH_WINDOWS, BadInput, filters_from, health_window, page_start,

@@ -10,8 +10,8 @@ import argparse
 from typing import Any
 
 from outbox.schema import DEAD_REASONS, STATES
-from supervisor import jobs, ops
-from supervisor.cli_common import parse_time
+from supervisor.operator import jobs, ops
+from supervisor.cli.common import parse_time
 from supervisor.ui.present import label
 
 FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
@@ -19,7 +19,7 @@ REPLAY_LIMIT_MAX = 10_000
 REPLAY_LIMIT_DEFAULT = 1000
 JOB_RATE_MAX = 100_000  # as `outboxd recover start --rate`
 JOB_RATE_DEFAULT = jobs.DEFAULT_RATE
-# The endpoint health windows the console offers (the rollup keeps a day: supervisor/health_stats.py).
+# The endpoint health windows the console offers (the rollup keeps a day: supervisor/observe/health_stats.py).
 HEALTH_WINDOWS = {"15m": 900, "1h": 3600, "24h": 86_400}
 
 

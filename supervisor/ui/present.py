@@ -12,7 +12,7 @@ from typing import Any
 from jinja2 import Environment
 from markupsafe import Markup, escape
 
-from supervisor.ops import rfc3339
+from supervisor.operator.ops import rfc3339
 
 # Words a plain "replace underscores" would get wrong.
 LABELS = {

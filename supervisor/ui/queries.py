@@ -1,7 +1,7 @@
 """What the console reads beyond the CLI's queries: the health strip, endpoints, pages of
 messages and the failed attempts of an endpoint.
 
-Every row shown passes through the same masking as ``outboxd show`` (:mod:`supervisor.ops`):
+Every row shown passes through the same masking as ``outboxd show`` (:mod:`supervisor.operator.ops`):
 URLs lose their query string and userinfo, errors lose any URL secret.
 """
 
@@ -15,7 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
 from outbox.schema import attempts, breakers, messages
-from supervisor import keyring, ops
+from supervisor.keys import keyring
+from supervisor.operator import ops
 from supervisor.ui.timeseries import FAILED, Scope, recent_totals
 
 RATE_SECONDS = 300  # the health strip's rates: the last five minutes

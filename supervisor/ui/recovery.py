@@ -2,7 +2,7 @@
 (a dry-run count first, then a confirmation) of a replay of dead messages or a cancel of
 pending ones, pause, resume and cancel (asked first).
 
-Every change goes through :mod:`supervisor.jobs`, the code ``outboxd recover`` runs, so the
+Every change goes through :mod:`supervisor.operator.jobs`, the code ``outboxd recover`` runs, so the
 console starts exactly the job the CLI would. A job started here never uses ``--force``: a
 message past its retry horizon is skipped and counted, as the console's replay refuses it.
 """
@@ -17,8 +17,8 @@ from starlette.routing import Route
 
 from outbox import store
 from outbox.schema import DEAD_REASONS
-from supervisor import jobs
-from supervisor.ops import rfc3339
+from supervisor.operator import jobs
+from supervisor.operator.ops import rfc3339
 from supervisor.ui.forms import JOB_RATE_DEFAULT, BadInput, job_number, job_rate, job_selection
 from supervisor.ui.kit import Kit
 

@@ -8,7 +8,7 @@ from sqlalchemy import Connection, inspect, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.schema import subscribers as registry
-from supervisor import ops
+from supervisor.operator import ops
 
 ROWS_SHOWN = 200
 

@@ -7,7 +7,7 @@ import secrets
 import sys
 
 from outbox.config import Settings
-from supervisor.health import parse_addr
+from supervisor.observe.health import parse_addr
 
 MIN_REMOTE_TOKEN = 32  # characters; what ``secrets.token_urlsafe(24)`` makes
 

@@ -1,0 +1,245 @@
+"""Leases due messages and starts their attempts, within the concurrency limits.
+
+The per-origin budget and the breakers are applied inside the claim statement
+(:func:`outbox.store.claim`): it counts this daemon's leases per origin, so a slow or
+hanging endpoint holds at most its own share, never makes other tenants' messages wait
+behind it. The budget is two rounds of ``OUTBOX_ENDPOINT_CONCURRENCY``: one of requests,
+one waiting its turn in :class:`supervisor.cycle.dispatch.Dispatcher`, which starts the next
+message the moment a request ends. This module holds the global cap (``OUTBOX_CONCURRENCY``
+requests, twice that with the messages waiting, and three times that in leases when the
+completer falls behind) and takes the half-open probe.
+
+A claim runs on new work (a NOTIFY), on the poll, at the earliest retry's time, at once
+after a full batch, and when a request ends while the last claim left due work behind
+(a full batch, or an origin at its budget) and that origin's queue has run low: never after
+a fixed pause, so a message committed alone is claimed as soon as its NOTIFY arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager as AsyncContextManager, nullcontext
+from typing import Any
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import store
+from outbox.config import Settings
+from outbox.store import Claimed
+from supervisor.observe import events, tracing
+from supervisor.cycle.attempt import Outcome
+from supervisor.cycle.breaker import CircuitState
+from supervisor.cycle.dispatch import Dispatcher
+from supervisor.observe.metrics import Metrics
+from supervisor.cycle.outage import OutageGuard
+from supervisor.cycle.pgdirect import DirectConnection
+
+Attempt = Callable[[Claimed], Awaitable[Outcome]]
+BACKLOG_RECHECK_SECONDS = 0.05
+CLAIMING = "claim messages"  # the outage guard's name for this activity
+LEASE_ROUNDS = 2  # leases per origin (and in all) per round of requests: one running, one waiting
+
+
+class Claimer:
+    def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
+                 attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard,
+                 backlog: Callable[[], int] = lambda: 0,
+                 unrecorded: Callable[[], list[int]] = lambda: []) -> None:
+        self._engine = engine
+        # PostgreSQL: single statements in autocommit on the claimer's own driver connection
+        # (supervisor/cycle/pgdirect.py). SQLite keeps its BEGIN IMMEDIATE transactions.
+        self._direct = DirectConnection.of(engine, settings)
+        # Outcomes waiting to be recorded still hold their leases and count against the
+        # lease budget, so a completer that falls behind slows claiming instead of letting
+        # leases pile up (a crash would resend every one of them).
+        self._backlog = backlog
+        self._unrecorded = unrecorded  # leased messages whose request is over (no slot held)
+        self._settings = settings
+        self._daemon_id = daemon_id
+        self._metrics = metrics
+        self._attempt = attempt
+        self._submit = submit
+        self._outage = outage
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._budget = LEASE_ROUNDS * settings.endpoint_concurrency  # leases per origin (the claim's cap)
+        self._dispatch = Dispatcher(
+            concurrency=settings.concurrency, endpoint_concurrency=settings.endpoint_concurrency,
+            lease_seconds=settings.lease_seconds,
+            attempt_seconds=settings.connect_timeout_seconds + settings.read_timeout_seconds,
+            start=self._begin, release=self._release)
+        # Whether the last claim may have left due work behind (a full batch, or an origin at
+        # its budget): only then can a freed slot make anything claimable. Otherwise what is
+        # due was all taken, and only new work (a NOTIFY), the poll or a retry's time brings
+        # more: a request ending is no reason to run the claim again.
+        self._capped = True
+        self._starved = False  # out of lease budget: a request ending or a flush may give some back
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._log = structlog.get_logger("outboxd.claimer")
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def wake(self) -> None:
+        """New work may be due now (a NOTIFY)."""
+        self._wake.set()
+
+    def recorded(self, failures: Sequence[Claimed], tripped: Sequence[tuple[str, str]]) -> None:
+        """The completer recorded a batch: ``tripped`` endpoints' breakers opened (what waits
+        for them goes back unsent), and ``failures`` (retryable) free their slots.
+
+        Only those change what the claim may take for an origin: a success's lease stopped
+        counting there when its request ended (``unrecorded``). Recording does shrink the
+        backlog, which is what a claimer out of lease budget waits for (``_starved``).
+        """
+        self._dispatch.tripped(tripped)
+        self._dispatch.settled(failures)
+        self._metrics.in_flight.set(self.in_flight)
+        if self._starved or (self._capped and (failures or tripped)):
+            self._wake.set()
+
+    def _connection(self) -> AsyncContextManager[Any]:
+        return nullcontext(self._direct) if self._direct is not None else self._engine.begin()
+
+    async def aclose(self) -> None:
+        if self._direct is not None:
+            await self._direct.aclose()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        while not self._stopping:
+            # Every lease counts: requests open and messages waiting their turn, within two
+            # rounds of the concurrency, and outcomes the completer has not recorded yet past
+            # one round (one flush's worth is normal; more means it is behind): at most three
+            # rounds of leases in all, whatever the completer does.
+            concurrency = self._settings.concurrency
+            free = (LEASE_ROUNDS * concurrency - self.in_flight - self._dispatch.queued
+                    - max(self._backlog() - concurrency, 0))
+            self._starved = free <= 0
+            if self._starved:  # full, or the completer is behind: look again when either moves
+                await self._sleep(BACKLOG_RECHECK_SECONDS)
+                continue
+            limit = min(free, self._settings.claim_batch)
+            timeout = self._settings.poll_interval_seconds
+            try:
+                batch = await self._claim(limit)
+                if len(batch) == limit:
+                    self._outage.ok(CLAIMING)
+                    continue  # more may be due: claim again at once
+                if not batch and not self._tasks and not self._dispatch.queued:
+                    # idle: sleep until the earliest retry, at most a poll
+                    next_due, now = await self._next_due()
+                    if next_due is not None and next_due > now:
+                        timeout = min(timeout, next_due - now)
+                # A partial batch took everything that may go now; a NOTIFY, a request ending
+                # with work left behind, the poll or the earliest retry brings the rest.
+                self._outage.ok(CLAIMING)
+            except Exception as exc:
+                await self._outage.failed(CLAIMING, exc)
+                continue
+            await self._sleep(timeout)
+
+    async def _sleep(self, timeout: float) -> None:
+        if not self._wake.is_set():
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
+            except asyncio.TimeoutError:
+                pass
+        self._wake.clear()
+
+    async def _claim(self, limit: int) -> list[Claimed]:
+        # What this process held per origin when the claim went out: the statement counted at
+        # most that (requests may end while it runs), so an origin whose held plus claimed
+        # reaches the budget may have had due work left behind.
+        held = {origin: self._dispatch.held(origin) for origin in self._dispatch.origins()}
+        # Stamped before the transaction opens: a lease is never older than its stamp, however
+        # long the round trip or (SQLite) the wait for the write lock.
+        sent = time.monotonic()
+        with tracing.span("outboxd.claim", {"outboxd.limit": limit}):
+            async with self._connection() as conn:
+                batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
+                                          horizon_seconds=self._settings.retry_horizon_seconds,
+                                          daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
+                                          done_ids=self._unrecorded(), sent=sent)
+        self._metrics.claim_batch.observe(len(batch))
+        for message in batch:
+            held[message.origin or ""] = held.get(message.origin or "", 0) + 1
+            if await self._may_send(message):
+                self._dispatch.add(message)
+            else:  # another daemon took this endpoint's half-open probe, or the database failed to grant it
+                self._release(message)
+        self._capped = len(batch) >= limit or any(n >= self._budget for n in held.values())
+        self._metrics.in_flight.set(self.in_flight)
+        return batch
+
+    async def _may_send(self, message: Claimed) -> bool:
+        """Whether the message may go now: always, unless it is its endpoint's probe.
+
+        The claim returns an endpoint whose breaker is open or half-open only once the
+        open period is over, and then one message: it goes if this daemon wins the probe.
+        A probe the database fails to grant is not won: that message goes back, and the rest
+        of the batch goes on (a batch left leased but never started would be rescued as
+        ``abandoned`` attempts no receiver ever saw).
+        """
+        if message.breaker_state in (None, CircuitState.CLOSED.value):
+            return True
+        try:
+            async with self._connection() as conn:
+                won = await store.acquire_probe(conn, message.tenant_id, message.origin or "",
+                                                self._settings.lease_seconds)
+                if won:
+                    await events.probe_taken(conn, message.tenant_id, message.origin or "",
+                                             message.breaker_open_until, await store.db_now(conn))
+                return won
+        except Exception as exc:  # an outage shows in the next claim; this message is simply due again
+            self._log.warning("probe.failed", tenant_id=message.tenant_id, origin=message.origin,
+                              error=type(exc).__name__, detail=(str(exc).splitlines() or [""])[0][:200])
+            return False
+
+    def _release(self, message: Claimed) -> None:
+        """Hand a leased message back untouched: no attempt made, none counted, due at once."""
+        self._submit(Outcome(message, "release", "released"))
+
+    def _begin(self, message: Claimed) -> None:
+        self._tasks[message.id] = asyncio.create_task(self._run_attempt(message))
+
+    async def _run_attempt(self, message: Claimed) -> None:
+        outcome = Outcome(message, "retry", "abandoned", error="attempt interrupted at shutdown")
+        try:
+            outcome = await self._attempt(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not lose the message: record and retry it
+            self._log.exception("attempt.crashed", message_id=message.id)
+            outcome = Outcome(message, "retry", "failed", error=f"internal error: {type(exc).__name__}")
+        finally:
+            self._tasks.pop(message.id, None)
+            self._submit(outcome)  # noqa: B012 - recorded even when cancelled
+            # A retryable failure keeps its slot until the breaker has judged it (recorded()).
+            self._dispatch.ended(message, holds_slot=outcome.action == "retry")
+            self._metrics.in_flight.set(self.in_flight)
+            low = self._dispatch.waiting(message.origin or "") <= self._settings.endpoint_concurrency // 2
+            if self._starved or (self._capped and low):
+                self._wake.set()  # budget came back, or its queue runs low with work left behind: refill
+
+    async def _next_due(self) -> tuple[float | None, float]:
+        async with self._connection() as conn:
+            return await store.next_due_at(conn)
+
+    async def finish(self, grace: float) -> None:
+        """Hand back what waits, wait up to ``grace`` seconds for attempts in flight, then
+        interrupt the rest."""
+        self._dispatch.release_all()
+        tasks = list(self._tasks.values())
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,402 @@
+"""Records outcomes in batches: message state, attempt rows and breakers in one transaction.
+
+Outcomes queue up while requests run; one flush per ~20 ms (or per round of the
+concurrency, at most 200 outcomes) writes them all, so the database cost per delivery stays
+small (docs/architecture.md, "Batched completion and hot rows"), and each breaker row is
+touched at most once per flush. A flush that fails because the database is away is retried
+with the same outcomes: the lease token makes the retry apply nothing twice, and attempt
+rows are written only for messages whose lease was still ours. A flush the database refuses
+while up is split until the refused outcome is alone, so one unrecordable outcome never
+holds back the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager as AsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import store
+from outbox.config import Settings
+from outbox.store import Claimed, Completion
+from outbox.urls import public_url, redact_urls
+from sinks.attempt import DeliveryAttempt
+from sinks.fanout import SinkFanout
+from supervisor.cycle import challenge
+from supervisor.observe import events, health_stats, tracing
+from supervisor.cycle.attempt import Outcome
+from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
+from supervisor.wire.classify import RetryPolicy
+from supervisor.observe.metrics import Metrics, status_class
+from supervisor.cycle.outage import OutageGuard, diagnose
+from supervisor.cycle.pgdirect import DirectConnection
+
+FLUSH_INTERVAL = 0.02
+FLUSH_MAX = 200  # outcomes per flush at most; a flush starts early at one round of the concurrency
+RECORDING = "record outcomes"  # the outage guard's name for this activity
+REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, then left to its lease
+# A retry whose back-off would pass the horizon gets one last attempt this long before it
+# (time for a claim and a full request), instead of being given up at once.
+LAST_TRY_MARGIN_SECONDS = 60.0
+UNSENT = ("expire", "release", "hold")  # claimed but not sent: no attempt made, none counted or logged
+# A message the daemon cannot prepare now (its scope has no active signing key, or it is sealed
+# under a key this process lacks) waits this long before it is claimed again, by this daemon or
+# one that can: a promoted signing key signs one second after it commits (supervisor/keys/keyring.py),
+# and docs/encryption.md ("Without the key") says what holds a sealed one.
+HOLD_SECONDS = 5.0
+Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
+# Told after each batch: the retryable failures no longer pending here (their request slots
+# free), and the endpoints whose breakers that batch opened.
+Recorded = Callable[[Sequence[Claimed], Sequence[Endpoint]], None]
+
+
+def _judges_breaker(o: Outcome) -> bool:
+    """Whether ``o`` makes its endpoint's breaker row worth locking: a retryable failure, or
+    any answer from an endpoint that has a row. An endpoint with no row that only succeeded
+    needs none, which keeps the common flush to its message and attempt rows."""
+    m = o.message
+    return o.sent and bool(m.origin) and (o.action == "retry" or m.breaker_state is not None)
+
+
+def _locks_rows(o: Outcome) -> bool:
+    """Whether recording ``o`` may write a breaker (:meth:`Completer._update_breakers`) or
+    settle a proof: such a batch is recorded through SQLAlchemy."""
+    return _judges_breaker(o) or challenge.is_challenge(o.message.notification_type)
+
+
+def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
+    """When to try again after a failure, or ``None`` when the horizon leaves no more tries.
+
+    Never past the horizon: a back-off that would overshoot it becomes one last attempt
+    ``LAST_TRY_MARGIN_SECONDS`` before it; a failure of that last attempt is final.
+    """
+    last = horizon_end - LAST_TRY_MARGIN_SECONDS
+    if now + delay <= last:
+        return now + delay
+    return last if now < last else None
+
+
+@dataclass(frozen=True)
+class Policies:
+    retry: RetryPolicy
+    breaker: CircuitBreakerPolicy
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Policies":
+        return cls(
+            RetryPolicy(settings.retry_base_seconds, settings.retry_max_seconds),
+            CircuitBreakerPolicy(
+                failure_threshold=settings.breaker_failure_threshold,
+                success_threshold=settings.breaker_success_threshold,
+                open_timeout_seconds=settings.breaker_open_seconds,
+                max_open_timeout_seconds=settings.breaker_max_open_seconds,
+                failure_ratio=settings.breaker_failure_ratio, window_seconds=settings.breaker_window_seconds),
+        )
+
+
+class Completer:
+    def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
+                 fanout: SinkFanout, outage: OutageGuard, on_recorded: Recorded = lambda failures, tripped: None
+                 ) -> None:
+        self._engine = engine
+        self._direct = DirectConnection.of(engine, settings)
+        # Recording frees per-origin capacity (the claim counts this daemon's in-flight
+        # rows) and may trip breakers: tell the claimer, or it would sleep out its poll
+        # interval with work due, or send what waits for a tripped endpoint.
+        self._on_recorded = on_recorded
+        self._settings = settings
+        self._policies = Policies.from_settings(settings)
+        self._daemon_id = daemon_id
+        self._metrics = metrics
+        self._fanout = fanout
+        self._outage = outage
+        self._queue: asyncio.Queue[Outcome] = asyncio.Queue()
+        # Outcomes run() has taken off the queue but not yet recorded, and the lock run()
+        # holds while it records them: drain() must neither miss nor race that batch.
+        self._taken: list[Outcome] = []
+        self._recording = 0  # outcomes in the flush under way
+        self._unrecorded: set[int] = set()
+        self._flushing = asyncio.Lock()
+        # Unrecorded outcomes hold leases the claimer counts against its budget: a round of
+        # them is worth a flush at once rather than at the end of the interval.
+        self._flush_max = min(FLUSH_MAX, settings.concurrency)
+        self._log = structlog.get_logger("outboxd.completer")
+
+    def submit(self, outcome: Outcome) -> None:
+        if outcome.action != "retry":  # a failure's slot frees once the breaker has judged it
+            self._unrecorded.add(outcome.message.id)
+        self._queue.put_nowait(outcome)
+
+    @property
+    def unrecorded_ids(self) -> list[int]:
+        """Messages whose request is over but whose outcome is not recorded yet.
+
+        Their rows are still ``in_flight``; the claim does not count them against their
+        origin's capacity (no request of theirs is open), so a slot frees when the request
+        ends, not a flush later. Retryable failures are left out: their slot frees when
+        they are recorded, so an endpoint that fails everything gets no more requests than
+        its breaker's threshold plus one round of its concurrency before it trips.
+        """
+        return list(self._unrecorded)
+
+    @property
+    def backlog(self) -> int:
+        """Outcomes not yet recorded (each still holds its message's lease)."""
+        return self._queue.qsize() + len(self._taken) + self._recording
+
+    async def run(self) -> None:
+        """Flush forever; cancelled by the daemon after :meth:`drain`."""
+        while True:
+            self._taken.append(await self._queue.get())
+            async with self._flushing:
+                deadline = time.monotonic() + FLUSH_INTERVAL
+                while self._taken and len(self._taken) < self._flush_max:
+                    timeout = deadline - time.monotonic()
+                    if timeout <= 0:
+                        break
+                    try:
+                        self._taken.append(await asyncio.wait_for(self._queue.get(), timeout))
+                    except asyncio.TimeoutError:
+                        break
+                batch, self._taken = self._taken, []
+                if batch:  # empty when drain() took it while we waited for the lock
+                    self._recording = len(batch)
+                    try:
+                        await self._flush_until_done(batch)
+                    finally:
+                        self._recording = 0
+
+    async def drain(self) -> None:
+        """Flush everything not yet recorded (shutdown), including a batch run() is recording.
+
+        Waits for a flush in progress to finish, so the daemon may cancel :meth:`run`
+        afterwards without losing the outcomes it had taken off the queue.
+        """
+        async with self._flushing:
+            batch, self._taken = self._taken, []
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            if batch:
+                await self._flush_until_done(batch)
+
+    async def _flush_until_done(self, batch: Sequence[Outcome], *, tries: int = REFUSED_TRIES) -> None:
+        """Record ``batch``: ride out an outage, and isolate an outcome the database refuses.
+
+        A failed flush while the database answers means it refused something in this batch
+        (a constraint, a trigger, a bug of ours), not that it is away. Retrying the whole
+        batch would hold every other outcome behind that one until all their leases expire,
+        and every message in it would be sent again. So the batch is halved until the
+        refused outcome is alone; after a few tries it is given up: its message stays leased,
+        the rescuer writes its ``abandoned`` attempt when the lease runs out, and it is sent
+        again then. Nothing is lost, and nothing is recorded twice (the lease token fences).
+        """
+        while True:
+            try:
+                await self.flush(batch)
+                self._outage.ok(RECORDING)
+                return
+            except Exception as exc:
+                if not diagnose(exc).curable or not await self._reachable():
+                    await self._outage.failed(RECORDING, exc)
+                    continue
+                self._outage.ok(RECORDING)
+                refused = exc
+                break
+        if len(batch) > 1:
+            middle = len(batch) // 2
+            await self._flush_until_done(batch[:middle])
+            await self._flush_until_done(batch[middle:])
+            return
+        if tries > 1:  # once more at once: a deadlock or serialization failure passes
+            await self._flush_until_done(batch, tries=tries - 1)
+            return
+        m = batch[0].message
+        # Left to its lease: the rescuer hands it back when the lease runs out. Its request is
+        # over, so until then it must not hold a slot of its origin in the claim either (a
+        # tenant whose outcomes cannot be recorded would otherwise crowd out the origin's
+        # other tenants); after the lease it is no longer this daemon's lease anyway.
+        self._unrecorded.add(m.id)
+        asyncio.get_running_loop().call_later(self._settings.lease_seconds, self._unrecorded.discard, m.id)
+        self._on_recorded([m] if batch[0].action == "retry" else [], [])
+        self._log.error("outcome.unrecorded", message_id=m.id, idempotency_key=m.idempotency_key, attempt=m.attempt,
+                        outcome=batch[0].outcome, error=type(refused).__name__,
+                        detail=(str(getattr(refused, "orig", None) or refused).splitlines() or [""])[0][:200],
+                        retry="after the lease expires")
+
+    async def _reachable(self) -> bool:
+        """Whether the database answers at all (an outage, as opposed to a refused write)."""
+        try:
+            async with asyncio.timeout(self._settings.database_statement_timeout_seconds):
+                async with self._engine.connect() as conn:
+                    await store.db_now(conn)
+            return True
+        except Exception:
+            return False
+
+    async def aclose(self) -> None:
+        if self._direct is not None:
+            await self._direct.aclose()
+
+    def _transaction(self, batch: Sequence[Outcome]) -> AsyncContextManager[Any]:
+        """The driver's own connection (PostgreSQL) when the batch has no breaker or proof to
+        write, which is the common case; SQLAlchemy otherwise (supervisor/cycle/pgdirect.py)."""
+        if self._direct is not None and not any(_locks_rows(o) for o in batch):
+            return self._direct.transaction()
+        return self._engine.begin()
+
+    async def flush(self, batch: Sequence[Outcome]) -> None:
+        with tracing.span("outboxd.flush", {"outboxd.outcomes": len(batch)}):
+            await self._record(batch)
+
+    async def _record(self, batch: Sequence[Outcome]) -> None:
+        async with self._transaction(batch) as conn:
+            now = await store.db_now(conn)
+            plans = [self._plan(outcome, now) for outcome in batch]
+            applied = await store.complete(conn, [completion for completion, _ in plans])
+            await store.insert_attempts(conn, [record.as_row() for completion, record in plans
+                                               if record is not None and completion.message_id in applied])
+            transitions = await self._update_breakers(conn, batch, applied, now)
+            settled = await self._settle_proofs(conn, batch, plans, applied)
+            await self._observe(conn, batch, plans, applied, now)
+        settled.count(self._metrics)
+        self._unrecorded.difference_update(o.message.id for o in batch)
+        self._on_recorded([o.message for o in batch if o.action == "retry"],
+                          [key for key, _, after in transitions if after == "open"])
+        self._after_commit(batch, plans, applied, transitions, now)
+
+    async def _settle_proofs(self, conn, batch: Sequence[Outcome],
+                             plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
+                             applied: set[int]) -> challenge.Settled:
+        """Finished URL challenges make their subscribers active or failed (same transaction),
+        a challenge that expired before its request could start included."""
+        ended = [c for o, (c, _) in zip(batch, plans) if c.message_id in applied
+                 and c.state in ("delivered", "dead") and challenge.is_challenge(o.message.notification_type)]
+        if not ended:
+            return challenge.Settled()
+        return await challenge.settle(conn, [c.message_id for c in ended if c.state == "delivered"],
+                                      [c.message_id for c in ended if c.state == "dead"])
+
+    async def _observe(self, conn, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
+                       applied: set[int], now: float) -> None:
+        """Endpoint health and operator events of the batch (same transaction): one rollup
+        upsert per flush, and events only for messages that ended dead (docs/observability.md)."""
+        recorded = [(o, c, r) for o, (c, r) in zip(batch, plans) if o.message.id in applied]
+        await health_stats.record(conn, health_stats.tally(
+            (health_stats.Recorded(o.message.tenant_id, o.message.origin, r is not None, o.outcome == "success",
+                                   o.response_time_ms, c.state == "dead") for o, c, r in recorded if o.message.origin),
+            now=now, daemon_id=self._daemon_id))
+        await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason)
+                                           for o, c, _ in recorded if c.state == "dead"],
+                                    now=now, window=self._settings.operator_events_window_seconds)
+
+    def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
+        """The message's new state, and its attempt record (``None``: no attempt was made)."""
+        m = o.message
+        state, reason, next_at, delta = "pending", None, None, 0
+        if o.action == "delivered":
+            state = "delivered"
+        elif o.action in ("dead", "expire"):
+            state, reason = "dead", o.reason
+        elif o.action == "release":
+            next_at = now
+        elif o.action == "hold":
+            next_at = now + HOLD_SECONDS
+        elif o.outcome == "abandoned":  # interrupted at shutdown: due again at once
+            next_at = now
+        else:  # retry
+            delay = max(self._policies.retry.delay_for_attempt(m.attempt), o.retry_after or 0.0)
+            next_at = retry_at(now, delay, m.retry_until)
+            if next_at is None:
+                state, reason = "dead", "expired"
+        if o.action in UNSENT:
+            delta = -1
+        error = redact_urls(o.error) if o.error else o.error  # an error may quote a URL: never its secrets
+        completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, error,
+                                origin=m.origin if m.origin != m.stored_origin else None)
+        if o.action in UNSENT:
+            return completion, None
+        record = DeliveryAttempt(
+            message_id=m.id, tenant_id=m.tenant_id, url=public_url(m.url), attempt_number=m.attempt,
+            outcome=o.outcome, http_status_code=o.http_status, error_message=error,
+            response_time_ms=o.response_time_ms, will_retry=state == "pending",
+            next_retry_at=next_at if state == "pending" else None, payload_size_bytes=len(m.body),
+            sequence_number=m.sequence_number, idempotency_key=m.idempotency_key,
+            notification_type=m.notification_type, trigger=m.trigger, daemon_id=self._daemon_id, occurred_at=now,
+            trace_id=o.trace[0] if o.trace else None, span_id=o.trace[1] if o.trace else None,
+        )
+        return completion, record
+
+    async def _update_breakers(self, conn, batch: Sequence[Outcome], applied: set[int], now: float
+                               ) -> list[tuple[Endpoint, str, str]]:
+        """Fold this batch's request outcomes into the breakers: O(1) writes per endpoint.
+
+        A row is written only when it changes; a trip writes the row and one transition
+        row, nothing per message (the claim passes over an open endpoint).
+        """
+        recorded = [o for o in batch if o.sent and o.message.id in applied and o.message.origin]
+        judged = {(o.message.tenant_id, o.message.origin) for o in recorded if _judges_breaker(o)}
+        if not judged:
+            return []
+        per_key: dict[tuple[str, str], list[bool]] = defaultdict(list)
+        for o in recorded:
+            if (o.message.tenant_id, o.message.origin) in judged:
+                # Any definitive answer shows the endpoint alive; only retryable failures count against it.
+                per_key[(o.message.tenant_id, o.message.origin)].append(o.action != "retry")
+        had_row = {(o.message.tenant_id, o.message.origin) for o in batch if o.message.breaker_state is not None}
+        await store.ensure_breakers(conn, [k for k in per_key if k not in had_row])
+        rows = await store.lock_breakers(conn, per_key)
+        changed, transitions, logged = [], [], []
+        for key, results in per_key.items():
+            row = rows.get(key) or closed_row(*key)
+            new, moved = apply_outcomes(row, results, now=now, policy=self._policies.breaker)
+            if new != row:
+                changed.append(new)
+            attempts, failures = window_counts(row, now, self._policies.breaker.window_seconds)
+            for before, after in moved:
+                transitions.append((key, before, after))
+                logged.append({"tenant_id": key[0], "origin": key[1], "from_state": before, "to_state": after,
+                               "window_attempts": attempts + len(results), "window_failures":
+                               failures + results.count(False), "open_until": new["open_until"],
+                               "daemon_id": self._daemon_id, "occurred_at": now})
+                self._log.warning("breaker.transition", tenant_id=key[0], origin=key[1], from_state=before,
+                                  to_state=after, open_until=new["open_until"], trips=new["trips"])
+        await store.save_breakers(conn, changed)
+        await store.insert_transitions(conn, logged)
+        await events.breakers_moved(conn, logged)
+        return transitions
+
+    def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
+                      applied: set[int], transitions: list[tuple[Endpoint, str, str]], now: float) -> None:
+        metrics = self._metrics
+        for _, before, after in transitions:
+            metrics.breaker_transitions.labels(from_state=before, to_state=after).inc()
+        for o, (completion, record) in zip(batch, plans):
+            m = o.message
+            labels = metrics.tenant_labels(m.tenant_id)
+            if record is not None:  # a request was made (or refused before sending): count it
+                metrics.attempts.labels(outcome=o.outcome, status_class=status_class(o.http_status), **labels).inc()
+                if o.response_time_ms is not None:
+                    metrics.attempt_duration.observe(o.response_time_ms / 1000)
+            if m.id not in applied:
+                if record is not None:
+                    self._log.warning("lease.lost", message_id=m.id, idempotency_key=m.idempotency_key,
+                                      attempt=m.attempt, outcome=o.outcome)
+                continue
+            if record is not None:
+                self._fanout.publish(record)
+            if completion.state == "delivered":
+                metrics.deliveries.labels(outcome="delivered", **labels).inc()
+                metrics.commit_to_delivery.observe(max(now - m.created_at, 0.0))
+            elif completion.state == "dead":
+                metrics.count_dead(completion.dead_reason, m.tenant_id)
+                # a delivery is logged once, by the attempt line (sinks); a dead message once more
+                self._log.warning("message.dead", message_id=m.id, tenant_id=m.tenant_id,
+                                  idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
+                                  reason=completion.dead_reason)

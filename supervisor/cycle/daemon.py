@@ -1,0 +1,296 @@
+"""``outboxd run``: the daemon, wired from its small parts.
+
+    claimer ──► attempt (sign · POST · classify) ──► completer ──► sinks
+       ▲  wake-up (LISTEN / poll)     maintenance (rescue · expire · gauges)   health/metrics
+
+Every decision that must survive a crash is written by the completer in the database; this
+process only caches. SIGTERM/SIGINT stop claiming, let in-flight attempts finish within
+``OUTBOX_SHUTDOWN_GRACE_SECONDS``, record them (interrupted ones as ``abandoned``, due
+again at once), and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox.config import Settings
+from outbox.db import is_postgresql, make_async_engine
+from outbox.migrate import SchemaCheck, check_schema
+from outbox.errors import ConfigurationError
+from sinks.fanout import SinkFanout, load_sink
+from sinks.structlog_sink import StructlogSink
+from outbox.store import Claimed
+from supervisor.observe import events, tracing
+from supervisor.cycle.attempt import Outcome, attempt
+from supervisor.cycle.claimer import Claimer
+from supervisor.cycle.clock import ClockOffsetError, DatabaseClock
+from supervisor.cycle.completer import Completer
+from supervisor.observe.health import HealthServer
+from supervisor.operator.jobs import JobRunner
+from supervisor.keys.keyring import CHANNEL as KEYRING_CHANNEL
+from supervisor.keys.keyring_cache import CachedKeyring
+from supervisor.cycle.maintenance import Maintenance
+from supervisor.observe.metrics import Metrics
+from supervisor.cycle.outage import OutageGuard
+from supervisor.cycle.reporting_handoff import run_handoff
+from supervisor.cycle.resealer import Resealer, held_line
+from outbox.bodies import encryption_summary
+from supervisor.wire.transport import HttpSender
+from supervisor.cycle.pgdirect import connect_options
+from supervisor.cycle.wakeup import listen, listen_url
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (a dependency on CPython/POSIX), else asyncio's own loop.
+
+    The event loop is about a quarter of the daemon's CPU per delivery; uvloop's is cheaper
+    (docs/performance.md has the measurement).
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def new_daemon_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+SCHEMA_POLL_SECONDS = 5.0
+SCHEMA_LOG_SECONDS = 60.0
+
+
+async def _schema_check(engine: AsyncEngine) -> SchemaCheck:
+    async with engine.connect() as conn:
+        return await conn.run_sync(check_schema)
+
+
+def daemon_engine(settings: Settings) -> AsyncEngine:
+    """The daemon's SQLAlchemy engine: on PostgreSQL with the timeouts and keepalives of
+    :func:`supervisor.cycle.pgdirect.connect_options`, and a server-side statement timeout of the
+    outage deadline (a statement that long is an outage) unless behind a transaction pooler,
+    which refuses startup options (its own ``query_timeout`` serves there, docs/pooler.md)."""
+    if not is_postgresql(settings.database_url):
+        return make_async_engine(settings.database_url)
+    options = connect_options(settings)
+    if settings.database_pooler == "none":
+        options["options"] = f"-c statement_timeout={int(settings.database_outage_seconds * 1000)}"
+    return make_async_engine(settings.database_url, connect_args=options)
+
+
+class Daemon:
+    def __init__(self, settings: Settings, *, sender: HttpSender | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.daemon_id = new_daemon_id()
+        self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics,
+                                          endpoint_top=settings.endpoint_metrics_top)
+        self.engine = daemon_engine(settings)
+        self.keys = CachedKeyring(settings, on_scopes=self._count_signing_keys)
+        self.sender = sender or HttpSender(settings)
+        self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc,
+                                  on_error=lambda cause: self.metrics.database_errors.labels(cause=cause).inc())
+        self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
+                                 timeout=settings.sink_timeout_seconds,
+                                 on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())
+        self.completer = Completer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
+                                   fanout=self.fanout, outage=self.outage,
+                                   on_recorded=lambda failures, tripped: self.claimer.recorded(failures, tripped))
+        self.clock = DatabaseClock()
+        self.tracing = tracing.configure()
+        self.event_sinks = events.load_sinks(settings.operator_event_sinks)
+        self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
+                               attempt=self._attempt(),
+                               submit=self.completer.submit, outage=self.outage,
+                               backlog=lambda: self.completer.backlog,
+                               unrecorded=lambda: self.completer.unrecorded_ids)
+        self.resealer = Resealer(self.engine, settings, reader_id=self.daemon_id, outage=self.outage,
+                                 metrics=self.metrics)
+        self.health = HealthServer(self.metrics, self._problem, self.keys.documents(),
+                                   notice=lambda: "; ".join(self.keys.paused().values()) or None)
+        self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
+        self.metrics_address: tuple[str, int] | None = None
+
+    def _count_signing_keys(self, scopes: dict[str, int]) -> None:
+        """``outbox_signing_active_keys`` per scope (the alert on 0 says webhooks wait for a key)."""
+        for scope, count in scopes.items():
+            self.metrics.signing_active_keys.labels(scope=scope).set(count)
+
+    async def _problem(self) -> str | None:
+        """Why ``/readyz`` must fail now: an activity that keeps failing, the schema, or messages
+        held for an encryption key this process lacks."""
+        return (self.outage.problem() or (await _schema_check(self.engine)).problem()
+                or held_line(self.resealer.unopenable))
+
+    def _attempt(self) -> Callable[[Claimed], Awaitable[Outcome]]:
+        """One attempt of a claimed message; inside its span when tracing is on (supervisor/observe/tracing.py)."""
+        settings = self.settings
+
+        def run(m: Claimed) -> Awaitable[Outcome]:  # the coroutine itself: no extra frame when tracing is off
+            return attempt(m, settings=settings, keys=self.keys, sender=self.sender, clock=self.clock)
+
+        return run if self.tracing is None else self.tracing.traced(run)
+
+    async def _measure_clock(self) -> None:
+        try:
+            await self.clock.measure(self.engine)
+        except ClockOffsetError as exc:
+            await self._clock_skewed(exc)
+            raise
+
+    async def _watch_clock(self) -> None:
+        try:
+            await self.clock.watch(self.engine, self.outage)
+        except ClockOffsetError as exc:
+            await self._clock_skewed(exc)
+            raise
+
+    async def _clock_skewed(self, exc: ClockOffsetError) -> None:
+        """Tell the operators (best effort: the daemon stops either way)."""
+        try:
+            await events.clock_skewed(self.engine, str(exc))
+            await events.publish_due(self.engine, self.settings, self.event_sinks, self.settings.sink_timeout_seconds)
+        except Exception as failure:
+            self.log.error("operator_event.unrecorded", kind="clock.skew", error=type(failure).__name__)
+
+    async def wait_for_schema(self, stop: asyncio.Event) -> bool:
+        """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
+
+        Returns ``False`` if asked to stop meanwhile. A database ahead of this release is fine
+        when its recorded minimum reader revision is ours or older (a rolling upgrade); one
+        too new is refused, because waiting cannot help.
+        """
+        logged_at = -SCHEMA_LOG_SECONDS
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                check = await _schema_check(self.engine)
+                self.outage.ok("check the schema")
+            except Exception as exc:  # the database is down at start: ride it out like any outage
+                await self.outage.failed("check the schema", exc)
+                continue
+            if check.verdict == "incompatible":
+                raise ConfigurationError(check.problem() or "")
+            if check.usable:
+                if check.verdict == "ahead":
+                    self.log.info("schema.ahead", database=check.database, code=check.code)
+                return True
+            if loop.time() - logged_at >= SCHEMA_LOG_SECONDS:
+                self.log.warning("schema.waiting", database=check.database, code=check.code,
+                                 detail=check.problem())
+                logged_at = loop.time()
+            try:
+                await asyncio.wait_for(stop.wait(), SCHEMA_POLL_SECONDS)
+                return False
+            except asyncio.TimeoutError:
+                pass
+
+    def _wakeups(self) -> list[asyncio.Task[Any]]:
+        """LISTEN for new work and key changes where NOTIFY can arrive; else say, once, that
+        this daemon polls (behind a transaction pooler without OUTBOX_LISTEN_DATABASE_URL)."""
+        url = listen_url(self.settings)
+        if url is None:
+            self.log.warning("wakeup.polling", poll_interval_seconds=self.settings.poll_interval_seconds,
+                             reason="NOTIFY cannot arrive through a transaction pooler "
+                                    "(OUTBOX_DATABASE_POOLER=transaction): new work is found by polling",
+                             hint="set OUTBOX_LISTEN_DATABASE_URL to a direct connection for millisecond wake-ups")
+            return []
+        options = connect_options(self.settings)
+        return [asyncio.create_task(listen(url, self.claimer.wake, options=options), name="wakeup"),
+                asyncio.create_task(listen(url, self.keys.wake, KEYRING_CHANNEL, options=options),
+                                    name="keyring-wakeup")]
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        if self.settings.metrics_addr:  # up first, so /readyz explains a wait for the schema
+            self.metrics_address = await self.health.start(self.settings.metrics_addr)
+        ready = False
+        try:
+            if await self.wait_for_schema(stop):
+                await self._measure_clock()  # ClockOffsetError: never sign with a clock receivers reject
+                await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
+                await self.resealer.tick()  # report the encryption keys before the first claim
+                ready = True
+        finally:
+            if not ready:  # stopped while waiting, or refused: nothing else was started
+                await self.health.close()
+                await self.engine.dispose()
+        if not ready:
+            self.log.info("daemon.stopped")
+            return
+        # Everything made while starting (modules, SQL, settings: some 10^5 objects) lives as
+        # long as the process; frozen, the collector stops rescanning it, and a full collection
+        # during delivery takes about 2 ms instead of 55 ms (a pause every queue and request
+        # in flight waited out).
+        gc.collect()
+        gc.freeze()
+        tracing.install(self.tracing)
+        self.fanout.start()
+        background: list[asyncio.Task[Any]] = [
+            asyncio.create_task(self.completer.run(), name="completer"),
+            asyncio.create_task(self.keys.run(self.engine), name="keyring"),
+            asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
+                                            outage=self.outage, horizon_seconds=self.settings.retry_horizon_seconds,
+                                            settings=self.settings, event_sinks=self.event_sinks).run(),
+                                name="maintenance"),
+            asyncio.create_task(self._watch_clock(), name="clock"),
+            asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
+                                          horizon_seconds=self.settings.retry_horizon_seconds).run(), name="jobs"),
+        ]
+        background.append(asyncio.create_task(self.resealer.run(), name="resealer"))
+        if self.settings.reporting_handoff:  # docs/reporting.md: the SDK's notifications, sent by outboxd
+            background.append(asyncio.create_task(run_handoff(self.settings, self.metrics), name="reporting"))
+        if is_postgresql(self.settings.database_url):
+            background.extend(self._wakeups())
+        claimer = asyncio.create_task(self.claimer.run(), name="claimer")
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        self.log.info("daemon.started", concurrency=self.settings.concurrency,
+                      metrics=self.metrics_address, horizon_seconds=self.settings.retry_horizon_seconds,
+                      body_encryption=encryption_summary(self.settings, self.resealer.agreed),
+                      held=held_line(self.resealer.unopenable))
+        failure: BaseException | None = None
+        try:
+            done, _ = await asyncio.wait([claimer, stopper, *background], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and task.exception() is not None:
+                    failure = task.exception()
+        finally:
+            self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
+            self.claimer.stop()
+            await asyncio.gather(claimer, return_exceptions=True)
+            if failure is None:
+                await self.claimer.finish(self.settings.shutdown_grace_seconds)
+                await self.completer.drain()
+            for task in [stopper, *background]:
+                task.cancel()
+            await asyncio.gather(stopper, *background, return_exceptions=True)
+            await self.resealer.stop()
+            await self.fanout.close()
+            await self.health.close()
+            await self.sender.aclose()
+            await self.claimer.aclose()
+            await self.completer.aclose()
+            await self.engine.dispose()
+            tracing.install(None)
+            if self.tracing is not None:
+                await asyncio.to_thread(self.tracing.shutdown)  # export the last spans
+        if failure is not None:
+            raise failure  # DatabaseUnavailable, or a bug: exit non-zero so the supervisor restarts us
+        self.log.info("daemon.stopped")

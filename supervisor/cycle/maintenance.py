@@ -1,0 +1,127 @@
+"""Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
+sample the gauges that need a query, prune endpoint health past its retention
+(:mod:`supervisor.observe.health_stats`), publish operator events (:mod:`supervisor.observe.events`), and
+(PostgreSQL) keep the attempt partitions of the coming days ready (:mod:`outbox.partitions`).
+
+Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
+cut short by a crash (after which the receiver may or may not have seen the request) is
+still in the attempt log. The gauges are sampled every ``GAUGE_INTERVAL`` seconds per
+process, never per scrape, so scrapes put no load on the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import store
+from outbox.config import Settings
+from outbox.partitions import ensure_attempt_partitions
+from outbox.schema import breakers
+from outbox.urls import public_url
+from sinks.attempt import DeliveryAttempt
+from supervisor.cycle import challenge
+from supervisor.observe import events, health_stats
+from supervisor.observe.metrics import ENDPOINT_WINDOW_SECONDS, Metrics
+from supervisor.cycle.outage import OutageGuard
+
+RESCUE_INTERVAL = 2.0
+EXPIRE_INTERVAL = 30.0
+GAUGE_INTERVAL = 15.0
+PARTITION_INTERVAL = 3600.0
+PRUNE_INTERVAL = 60.0
+
+
+async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
+    async with engine.begin() as conn:
+        rows = await store.rescue_expired_leases(conn)
+        now = await store.db_now(conn)
+        await store.insert_attempts(conn, [
+            DeliveryAttempt(
+                message_id=r.id, tenant_id=r.tenant_id, url=public_url(r.url), attempt_number=r.attempts,
+                outcome="abandoned", http_status_code=None,
+                error_message=f"lease of {r.leased_by} expired; outcome unknown"[:200], response_time_ms=None,
+                will_retry=True, next_retry_at=now, payload_size_bytes=r.payload_size,
+                sequence_number=r.sequence_number, idempotency_key=r.idempotency_key,
+                notification_type=r.notification_type, trigger=r.trigger, daemon_id=daemon_id, occurred_at=now,
+            ).as_row()
+            for r in rows
+        ])
+    return len(rows)
+
+
+async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
+    """Live rows only, from their partial indexes: the cost is what is due, not history."""
+    async with engine.connect() as conn:
+        pending, in_flight = await store.live_counts(conn)
+        oldest, now = await store.next_due_at(conn)
+        states = dict((await conn.execute(select(breakers.c.state, func.count()).group_by(breakers.c.state))).all())
+        if metrics.endpoint_top:
+            metrics.set_endpoints(await health_stats.endpoint_health(
+                conn, window_seconds=ENDPOINT_WINDOW_SECONDS, limit=metrics.endpoint_top))
+    metrics.messages.labels(state="pending").set(pending)
+    metrics.messages.labels(state="in_flight").set(in_flight)
+    metrics.oldest_due_age.set(max(now - oldest, 0.0) if oldest is not None else 0.0)
+    for state in ("closed", "open", "half_open"):
+        metrics.breakers.labels(state=state).set(states.get(state, 0))
+
+
+class Maintenance:
+    def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard,
+                 horizon_seconds: int, settings: Settings | None = None, event_sinks: Sequence[events.Sink] = ()
+                 ) -> None:
+        self._engine = engine
+        self._settings = settings or Settings()  # the operator events' destination and window
+        self._event_sinks = event_sinks
+        self._horizon = horizon_seconds
+        self._daemon_id = daemon_id
+        self._metrics = metrics
+        self._outage = outage
+        self._partitioned = engine.dialect.name == "postgresql"  # SQLite keeps one attempts table
+        self._log = structlog.get_logger("outboxd.maintenance")
+
+    async def run(self) -> None:
+        ticks = 0
+        while True:
+            try:
+                rescued = await rescue_once(self._engine, self._daemon_id)
+                if rescued:
+                    self._metrics.lease_rescues.inc(rescued)
+                    self._log.warning("leases.rescued", count=rescued)
+                if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
+                    async with self._engine.begin() as conn:
+                        expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
+                        settled = await challenge.settle(conn, [], [r.id for r in expired])  # an expired proof failed
+                        await health_stats.record(conn, health_stats.tally(
+                            (health_stats.Recorded(r.tenant_id, r.origin, False, False, None, True)
+                             for r in expired if r.origin), now=await store.db_now(conn), daemon_id=self._daemon_id))
+                        await events.messages_ended(conn, [(r.tenant_id, r.origin, "expired") for r in expired],
+                                                    now=await store.db_now(conn),
+                                                    window=self._settings.operator_events_window_seconds)
+                    settled.count(self._metrics)
+                    for row in expired:
+                        self._metrics.count_dead("expired", row.tenant_id)
+                    if expired:
+                        self._log.warning("messages.expired", count=len(expired))
+                if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:
+                    await sample_gauges(self._engine, self._metrics)
+                if ticks % int(PRUNE_INTERVAL / RESCUE_INTERVAL) == 0:
+                    async with self._engine.begin() as conn:
+                        await health_stats.prune(conn)
+                        await events.keys_leaving(conn, await store.db_now(conn))
+                if ticks % int(PARTITION_INTERVAL / RESCUE_INTERVAL) == 0 and self._partitioned:
+                    created = await ensure_attempt_partitions(self._engine)
+                    if created:
+                        self._log.info("attempt_partitions.created", count=created)
+                await events.publish_due(self._engine, self._settings, self._event_sinks,
+                                         self._settings.sink_timeout_seconds)
+                self._outage.ok("maintenance")
+            except Exception as exc:
+                await self._outage.failed("maintenance", exc)
+                continue
+            ticks += 1
+            await asyncio.sleep(RESCUE_INTERVAL)

@@ -1,0 +1,1 @@
+"""Signing keys: the keyring in the database and each daemon's cache of it."""
