@@ -162,5 +162,5 @@ def claim_sql(pg: bool, now: str) -> str:
         RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id, auth_mode, auth_secret,
                   sequence_number, notification_type, attempts, retry_until, created_at, trigger,
                   {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
-                  {breaker.format(col="open_until")} AS breaker_open_until, traceparent
+                  {breaker.format(col="open_until")} AS breaker_open_until, traceparent, subscriber_ref
     """

@@ -188,6 +188,7 @@ class Claimed:
     # older than this, whatever the round trip (or, on SQLite, the wait for the write lock) took.
     claim_sent: float = field(default_factory=time.monotonic)
     traceparent: str | None = None  # the enqueuing caller's W3C trace context
+    subscriber_ref: int | None = None  # the subscriber of an account-level fire (its revocation stops retries)
 
     def db_time(self) -> float:
         """The database's time now, from the claim's: ``claimed_at`` plus the monotonic time
@@ -261,7 +262,7 @@ async def claim(
             claimed_at=float(r.claimed_at), lease_token=token, breaker_state=r.breaker_state,
             breaker_open_until=None if r.breaker_open_until is None else float(r.breaker_open_until),
             claim_sent=sent,
-            traceparent=r.traceparent,
+            traceparent=r.traceparent, subscriber_ref=r.subscriber_ref,
         )
         for r in result
     ]

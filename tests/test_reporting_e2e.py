@@ -22,6 +22,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 import outbox
+from adcp.reporting import ReliableReportingService
 from adcp.reporting.ledger import InMemoryReportingLedgerStore
 from adcp.reporting.ledger.models import ReportingConfigurationGenerationKey
 from adcp.reporting.ledger.notification_models import (
@@ -202,7 +203,16 @@ def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp
     async def after_revocation() -> list:
         await record(store, RevisionPublished("rev_buyer-a_2", "buyer-a", "snapshot",
                                               supersedes_reporting_revision_id="rev_buyer-a"))
-        return await handoff.run_once()  # expands with the SDK's worker, then hands off
+        # The SDK's non-production service drives the hand-off as its notification worker
+        # (it only checks that an attempt store is given: outboxd's attempt log is that).
+        service = ReliableReportingService(store=store, account_context=lambda configuration: None, clock=clock,
+                                           notification_worker=handoff, notification_attempt_store=pg_engine)
+        try:
+            turn = await service.run_worker()
+        finally:
+            await service.close()
+        assert not turn.extension_errors and len(turn.extension_results) == 1
+        return turn.extension_results[0]  # expanded with the SDK's worker, then handed off
 
     late = asyncio.run(after_revocation())
     assert sorted(r.state for r in late) == ["complete", "suppressed"]  # sub-a gets it; sub-c is gone

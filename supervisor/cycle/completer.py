@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
 from outbox.config import Settings
+from outbox.schema import subscribers
 from outbox.store import Claimed, Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
@@ -65,10 +67,28 @@ def _judges_breaker(o: Outcome) -> bool:
     return o.sent and bool(m.origin) and (o.action == "retry" or m.breaker_state is not None)
 
 
+def _may_continue(o: Outcome) -> bool:
+    """Whether ``o`` leaves a subscriber's fire pending: then its subscriber's state decides."""
+    return o.message.subscriber_ref is not None and o.action not in ("delivered", "dead", "expire")
+
+
 def _locks_rows(o: Outcome) -> bool:
-    """Whether recording ``o`` may write a breaker (:meth:`Completer._update_breakers`) or
-    settle a proof: such a batch is recorded through SQLAlchemy."""
-    return _judges_breaker(o) or challenge.is_challenge(o.message.notification_type)
+    """Whether recording ``o`` may write a breaker (:meth:`Completer._update_breakers`), settle
+    a proof or read its subscriber's state: such a batch is recorded through SQLAlchemy."""
+    return _judges_breaker(o) or challenge.is_challenge(o.message.notification_type) or _may_continue(o)
+
+
+async def _revoked(conn, batch: Sequence[Outcome]) -> set[int]:
+    """The batch's messages whose subscriber was removed or paused while they were in flight:
+    they end dead ``cancelled`` instead of pending (docs/reporting.md, "Revocation"). One
+    statement, only when the batch has such a fire. The rows are read ``FOR SHARE``: a
+    revocation committing meanwhile waits for this flush, then cancels what it left pending."""
+    refs = {o.message.subscriber_ref for o in batch if _may_continue(o)}
+    if not refs:
+        return set()
+    live = set((await conn.execute(select(subscribers.c.id).where(
+        subscribers.c.id.in_(refs), subscribers.c.state != "paused").with_for_update(read=True))).scalars())
+    return {o.message.id for o in batch if _may_continue(o) and o.message.subscriber_ref not in live}
 
 
 def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
@@ -258,7 +278,8 @@ class Completer:
     async def _record(self, batch: Sequence[Outcome]) -> None:
         async with self._transaction(batch) as conn:
             now = await store.db_now(conn)
-            plans = [self._plan(outcome, now) for outcome in batch]
+            revoked = await _revoked(conn, batch)
+            plans = [self._plan(outcome, now, outcome.message.id in revoked) for outcome in batch]
             applied = await store.complete(conn, [completion for completion, _ in plans])
             await store.insert_attempts(conn, [record.as_row() for completion, record in plans
                                                if record is not None and completion.message_id in applied])
@@ -296,8 +317,9 @@ class Completer:
                                            for o, c, _ in recorded if c.state == "dead"],
                                     now=now, window=self._settings.operator_events_window_seconds)
 
-    def _plan(self, o: Outcome, now: float) -> tuple[Completion, DeliveryAttempt | None]:
-        """The message's new state, and its attempt record (``None``: no attempt was made)."""
+    def _plan(self, o: Outcome, now: float, revoked: bool = False) -> tuple[Completion, DeliveryAttempt | None]:
+        """The message's new state, and its attempt record (``None``: no attempt was made);
+        ``revoked``: its subscriber is gone or paused, so it is not tried again."""
         m = o.message
         state, reason, next_at, delta = "pending", None, None, 0
         if o.action == "delivered":
@@ -315,6 +337,8 @@ class Completer:
             next_at = retry_at(now, delay, m.retry_until)
             if next_at is None:
                 state, reason = "dead", "expired"
+        if state == "pending" and revoked:
+            state, reason, next_at = "dead", "cancelled", None
         if o.action in UNSENT:
             delta = -1
         error = redact_urls(o.error) if o.error else o.error  # an error may quote a URL: never its secrets
