@@ -50,6 +50,7 @@ from tests.test_reporting_e2e import (  # noqa: F401  (receiver is a fixture)
     message_count,
     receiver,
     register,
+    sealed_bodies,
     settled,
 )
 
@@ -78,12 +79,6 @@ async def publish_revision(store: InMemoryReportingLedgerStore, consumer: str) -
     return revision_id
 
 
-async def sealed(queue: InMemoryReportingOutbox, cipher: ReportingEnvelopeCipher) -> dict[str, bytes]:
-    """Every expanded delivery's exact body, by idempotency key (opened with the SDK's cipher)."""
-    return {d.delivery.binding.idempotency_key: cipher.open(d.delivery).prepared.body
-            for d in await queue.list_deliveries(account_id=ACCOUNT)}
-
-
 def test_the_sdk_producers_events_arrive_as_the_sdk_sealed_them(pg_engine, pg_url, tmp_path, receiver):
     key, base, log, _ = receiver
     register(pg_engine, "svc-a", "buyer-a", f"{base}/ok/svc-a")
@@ -109,7 +104,7 @@ def test_the_sdk_producers_events_arrive_as_the_sdk_sealed_them(pg_engine, pg_ur
                 results = await ReportingHandoff(worker=worker, engine=pg_engine, tenant_id="t1", settings=SETTINGS,
                                                  clock=clock).run_once()
                 assert [r.state for r in results] == ["complete"]
-                bodies.update(await sealed(queue, cipher))
+                bodies.update(await sealed_bodies(queue, cipher))
             assert json.loads(bodies[results[0].idempotency_key])["notification_type"] == "reporting.status_changed"
             assert revision_id in {json.loads(b).get("reporting_revision_id") for b in bodies.values()}
             return bodies
