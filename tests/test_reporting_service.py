@@ -1,13 +1,14 @@
-"""End to end from the adcp SDK's own producers: a revision and a status change, sent by outboxd.
+"""End to end from the adcp SDK's own producers: each reporting notification type, sent by outboxd.
 
-Nothing here writes a reporting event by hand. The SDK's in-memory ledger (its deterministic
-clock) publishes a real revision through its public ledger API, which records
-``reporting.ledger_changed`` in the same ledger transaction; the SDK's status projector then
-projects the consumer's changed status and records ``reporting.status_changed`` in its status
-queue. The SDK's ``ReportingNotificationWorker`` expands both queues, outboxd's hand-off stores
-each sealed body, ``outboxd run`` (a real daemon) sends them, and a receiver verifies every
-signature with the SDK. Each body that arrives equals the one the SDK sealed and passes the
-SDK's payload validation.
+The SDK's in-memory materializer store (its ledger, with the SDK's deterministic clock)
+publishes a real revision through its public ledger API, recording
+``reporting.ledger_changed`` in the same ledger transaction; the SDK's materializer service
+writes and verifies that revision at its reference destination, producing
+``reporting.delivery_ready``; the SDK's status projector records the consumer's changed
+status as ``reporting.status_changed``. The SDK's ``ReportingNotificationWorker`` expands the
+ledger and status queues, outboxd's hand-off stores each sealed body, ``outboxd run`` (a real
+daemon) sends them, and a receiver verifies every signature with the SDK. Each body that
+arrives equals the one the SDK sealed and passes the SDK's payload validation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from datetime import timedelta
 
 import pytest
 
-from adcp.reporting.ledger import InMemoryReportingLedgerStore
+from adcp.reporting.evidence import ReportingControlTotalRecord
 from adcp.reporting.ledger.models import (
     ReportingConfiguration,
     ReportingObligationRecord,
@@ -27,7 +28,21 @@ from adcp.reporting.ledger.models import (
     ReportingRevisionRecord,
     ReportingScheduleSpec,
 )
+from adcp.reporting.ledger.delivery_models import ReportingDeliveryScope
 from adcp.reporting.ledger.producer import revision_content_sha256
+from adcp.reporting.materializer import (
+    InMemoryReportingMaterializerStore,
+    ReferenceReportingDestinationWriter,
+    ReferenceReportingResolver,
+    ReportingDestinationBinding,
+    ReportingDestinationIO,
+    ReportingMaterializerService,
+    ReportingObligationDeliveryRecord,
+    ReportingRevisionVerifier,
+    ReportingRevisionVerifierRegistry,
+    reference_digest,
+)
+from adcp.reporting.materializer.reference import reference_verifier
 from adcp.reporting.outbox import (
     InMemoryReportingOutbox,
     ReportingEnvelopeCipher,
@@ -55,28 +70,67 @@ from tests.test_reporting_e2e import (  # noqa: F401  (receiver is a fixture)
 )
 
 pytestmark = pytest.mark.e2e
-PRODUCED = ("reporting.ledger_changed", "reporting.status_changed")
 
 
-async def publish_revision(store: InMemoryReportingLedgerStore, consumer: str) -> str:
-    """One day's configuration, obligation and snapshot revision, through the ledger's public API."""
+async def publish_revision(store: InMemoryReportingMaterializerStore, consumer: str,
+                           verifier: ReportingRevisionVerifier) -> ReportingDestinationBinding:
+    """One day's configuration, destination, obligation and revision, through the ledger's public API.
+
+    The revision carries the managed evidence (canonical digest, typed control totals) a
+    materialization of the SDK's reference definition needs.
+    """
     schedule = ReportingScheduleSpec("P1D", "PT6H")
-    await store.put_configuration(ReportingConfiguration(
-        "cfg_1", 1, ACCOUNT, consumer, "def_1", "core", "pacing", schedule, "snapshot",
-        activated_at=START - timedelta(days=2)))
+    definition = verifier.key.definition
+    configuration = ReportingConfiguration("cfg_1", 1, ACCOUNT, consumer, "reference-report-v1", "paid_media_delivery",
+                                           "pacing", schedule, "snapshot", activated_at=START - timedelta(days=2),
+                                           definition=definition)
+    await store.put_configuration(configuration)
+    binding = ReportingDestinationBinding(configuration.generation_key, consumer, "dest_1", "trusted_1",
+                                          "file_transfer", "reference-memory", "canonical_digest", "delivery_only",
+                                          "pacing", 30, START, format="jsonl")
+    await store.put_destination_binding(binding)
     start, end = START - timedelta(days=1), START
     due = end + timedelta(hours=6)
     obligation = ReportingObligationRecord(
-        f"obl_{consumer}", ACCOUNT, consumer, "cfg_1", 1, "def_1", "core", "pacing",
+        f"obl_{consumer}", ACCOUNT, consumer, "cfg_1", 1, "reference-report-v1", "paid_media_delivery", "pacing",
         ReportingPeriodBoundary("2026-11-30", start, end, "UTC", due), end, ("mb_1",), "snapshot", due, schedule,
-        currency="USD", created_at=START)
+        currency="USD", created_at=START, definition=definition)
     await store.commit_obligation(obligation)
+    await store.bind_obligation_delivery(ReportingObligationDeliveryRecord(
+        ReportingDeliveryScope(configuration.generation_key, consumer, obligation.reporting_obligation_id), "USD",
+        START + timedelta(days=30), START))
+    rows = [{"row_id": "r1", "impressions": 10, "spend": "1.50", "currency": "USD"}]
+    totals = (("impressions", "10"), ("spend", "1.50"))
+    evidence = (ReportingControlTotalRecord("impressions", "10", "integer"),
+                ReportingControlTotalRecord("spend", "1.50", "decimal", "USD"))
     revision_id = f"rev_{consumer}"
-    digest = revision_content_sha256(reporting_revision_id=revision_id, row_count=0, control_totals=(),
-                                     reporting_rows=())
+    digest = revision_content_sha256(reporting_revision_id=revision_id, row_count=len(rows), control_totals=totals,
+                                     reporting_rows=rows, control_total_evidence=evidence)
     await store.commit_revision(ReportingRevisionRecord(
-        revision_id, ACCOUNT, obligation.reporting_obligation_id, "snapshot", digest, 0, (), START, end, START), ())
-    return revision_id
+        revision_id, ACCOUNT, obligation.reporting_obligation_id, "snapshot", digest, len(rows), totals, START, end,
+        START, canonical_content_digest=reference_digest(verifier, rows), managed_control_totals=evidence), rows)
+    return binding  # the destination the revision is materialized to
+
+
+async def materialize(store: InMemoryReportingMaterializerStore, binding: ReportingDestinationBinding,
+                      verifier: ReportingRevisionVerifier) -> None:
+    """The SDK's materializer service writes and verifies the revision at its reference destination.
+
+    Its finish records ``reporting.delivery_ready``, but the in-memory materializer keeps that
+    event's expansion quarantined (only a production-admitted account's queue delivers it, and
+    admission needs the SDK's production composition): the test moves the very event the SDK
+    produced into the ledger's queue with the ledger's own transaction hook.
+    """
+    writer = ReferenceReportingDestinationWriter((verifier.key.capability,))
+    registry = ReportingRevisionVerifierRegistry((verifier,))
+    service = ReportingMaterializerService(store, ReportingDestinationIO(
+        registry, ReferenceReportingResolver(writer, registry, (binding,))), writer)
+    assert (await service.run_once()).state == "verified"
+    (ready,) = store._materializer_outbox.events.values()
+    assert ready.notification_type == "reporting.delivery_ready"
+    assert {w.state for w in store._materializer_outbox.expansions.values()} == {"quarantined"}
+    async with store._mutation():
+        store._record_notification(ready)
 
 
 def test_the_sdk_producers_events_arrive_as_the_sdk_sealed_them(pg_engine, pg_url, tmp_path, receiver):
@@ -91,10 +145,12 @@ def test_the_sdk_producers_events_arrive_as_the_sdk_sealed_them(pg_engine, pg_ur
 
         async def produce_and_hand_off() -> dict[str, bytes]:
             clock = DeterministicReportingClock(START)
-            store = InMemoryReportingLedgerStore(clock=clock, notifications=True)
+            store = InMemoryReportingMaterializerStore(clock=clock, notifications=True)
             status = InMemoryStatusNotificationStore(store)
             assert await status.baseline(account_id=ACCOUNT)  # the status projection starts from here
-            revision_id = await publish_revision(store, "buyer-a")
+            verifier = reference_verifier()
+            binding = await publish_revision(store, "buyer-a", verifier)
+            await materialize(store, binding, verifier)
             turn = await ReportingStatusProjector(status).run_once(account_id=ACCOUNT)
             assert (turn.did_work, turn.events) == (True, 1)  # the obligation's health changed once
             cipher = ReportingEnvelopeCipher(os.urandom(32))
@@ -103,14 +159,14 @@ def test_the_sdk_producers_events_arrive_as_the_sdk_sealed_them(pg_engine, pg_ur
                 worker = ReportingNotificationWorker(outbox=queue, subscriptions=registry, cipher=cipher, clock=clock)
                 results = await ReportingHandoff(worker=worker, engine=pg_engine, tenant_id="t1", settings=SETTINGS,
                                                  clock=clock).run_once()
-                assert [r.state for r in results] == ["complete"]
-                bodies.update(await sealed_bodies(queue, cipher))
-            assert json.loads(bodies[results[0].idempotency_key])["notification_type"] == "reporting.status_changed"
-            assert revision_id in {json.loads(b).get("reporting_revision_id") for b in bodies.values()}
+                handed = await sealed_bodies(queue, cipher)
+                assert sorted(r.idempotency_key for r in results if r.state == "complete") == sorted(handed)
+                bodies.update(handed)
+            assert {json.loads(b).get("reporting_revision_id") for b in bodies.values()} >= {"rev_buyer-a"}
             return bodies
 
         bodies = asyncio.run(produce_and_hand_off())
-        assert procs.wait_until(lambda: message_count(pg_engine) == 2 and settled(pg_engine), 60)
+        assert procs.wait_until(lambda: message_count(pg_engine) == len(TYPES) and settled(pg_engine), 60)
     finally:
         assert procs.stop(daemon) == 0
     seen = {a["key"]: a for a in procs.arrivals(log) if a["path"] == "/ok/svc-a" and a["type"] in TYPES}
@@ -120,4 +176,4 @@ def test_the_sdk_producers_events_arrive_as_the_sdk_sealed_them(pg_engine, pg_ur
         assert arrival["verified"] and arrival["status"] == 200
         assert arrival["body"].encode() == body  # the SDK's exact bytes
         validate_notification_payload(json.loads(arrival["body"]))
-    assert sorted(json.loads(b)["notification_type"] for b in bodies.values()) == list(PRODUCED)
+    assert sorted(json.loads(b)["notification_type"] for b in bodies.values()) == sorted(TYPES)  # one of each
