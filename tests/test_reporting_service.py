@@ -2,13 +2,15 @@
 
 The SDK's in-memory materializer store (its ledger, with the SDK's deterministic clock)
 publishes a real revision through its public ledger API, recording
-``reporting.ledger_changed`` in the same ledger transaction; the SDK's materializer service
+``reporting.ledger_changed`` in the same ledger transaction. The SDK's materializer service
 writes and verifies that revision at its reference destination, producing
-``reporting.delivery_ready``; the SDK's status projector records the consumer's changed
-status as ``reporting.status_changed``. The SDK's ``ReportingNotificationWorker`` expands the
-ledger and status queues, outboxd's hand-off stores each sealed body, ``outboxd run`` (a real
-daemon) sends them, and a receiver verifies every signature with the SDK. Each body that
-arrives equals the one the SDK sealed and passes the SDK's payload validation.
+``reporting.delivery_ready``; the SDK's non-production ``ReliableReportingService`` runs that
+materializer and outboxd's hand-off as its two worker extensions. The SDK's status projector
+records the consumer's changed status as ``reporting.status_changed``. The SDK's
+``ReportingNotificationWorker`` expands the ledger and status queues, outboxd's hand-off
+stores each sealed body, ``outboxd run`` (a real daemon) sends them, and a receiver verifies
+every signature with the SDK. Each body that arrives equals the one the SDK sealed and
+passes the SDK's payload validation.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from datetime import timedelta
 
 import pytest
 
+from adcp.reporting import ReliableReportingService
 from adcp.reporting.evidence import ReportingControlTotalRecord
 from adcp.reporting.ledger.models import (
     ReportingConfiguration,
@@ -112,20 +115,23 @@ async def publish_revision(store: InMemoryReportingMaterializerStore, consumer: 
     return binding  # the destination the revision is materialized to
 
 
-async def materialize(store: InMemoryReportingMaterializerStore, binding: ReportingDestinationBinding,
-                      verifier: ReportingRevisionVerifier) -> None:
-    """The SDK's materializer service writes and verifies the revision at its reference destination.
-
-    Its finish records ``reporting.delivery_ready``, but the in-memory materializer keeps that
-    event's expansion quarantined (only a production-admitted account's queue delivers it, and
-    admission needs the SDK's production composition): the test moves the very event the SDK
-    produced into the ledger's queue with the ledger's own transaction hook.
-    """
+def materializer(store: InMemoryReportingMaterializerStore, binding: ReportingDestinationBinding,
+                 verifier: ReportingRevisionVerifier) -> ReportingMaterializerService:
+    """The SDK's materializer service, writing and verifying revisions at its reference destination."""
     writer = ReferenceReportingDestinationWriter((verifier.key.capability,))
     registry = ReportingRevisionVerifierRegistry((verifier,))
-    service = ReportingMaterializerService(store, ReportingDestinationIO(
+    return ReportingMaterializerService(store, ReportingDestinationIO(
         registry, ReferenceReportingResolver(writer, registry, (binding,))), writer)
-    assert (await service.run_once()).state == "verified"
+
+
+async def admit_delivery_ready(store: InMemoryReportingMaterializerStore) -> None:
+    """Move the ``reporting.delivery_ready`` event the materializer produced into the ledger's queue.
+
+    The in-memory materializer keeps that event's expansion quarantined: only an account
+    admitted by the SDK's production composition gets a queue that delivers it
+    (docs/reporting.md, "Limits"). The event is moved unchanged, with the ledger's own
+    transaction hook.
+    """
     (ready,) = store._materializer_outbox.events.values()
     assert ready.notification_type == "reporting.delivery_ready"
     assert {w.state for w in store._materializer_outbox.expansions.values()} == {"quarantined"}
@@ -150,18 +156,35 @@ def test_the_sdk_producers_events_arrive_as_the_sdk_sealed_them(pg_engine, pg_ur
             assert await status.baseline(account_id=ACCOUNT)  # the status projection starts from here
             verifier = reference_verifier()
             binding = await publish_revision(store, "buyer-a", verifier)
-            await materialize(store, binding, verifier)
-            turn = await ReportingStatusProjector(status).run_once(account_id=ACCOUNT)
-            assert (turn.did_work, turn.events) == (True, 1)  # the obligation's health changed once
             cipher = ReportingEnvelopeCipher(os.urandom(32))
-            bodies: dict[str, bytes] = {}
-            for queue in (InMemoryReportingOutbox(store), status.outbox):  # the ledger's queue, the status queue
+
+            def handoff(queue: InMemoryReportingOutbox) -> ReportingHandoff:
                 worker = ReportingNotificationWorker(outbox=queue, subscriptions=registry, cipher=cipher, clock=clock)
-                results = await ReportingHandoff(worker=worker, engine=pg_engine, tenant_id="t1", settings=SETTINGS,
-                                                 clock=clock).run_once()
-                handed = await sealed_bodies(queue, cipher)
-                assert sorted(r.idempotency_key for r in results if r.state == "complete") == sorted(handed)
-                bodies.update(handed)
+                return ReportingHandoff(worker=worker, engine=pg_engine, tenant_id="t1", settings=SETTINGS, clock=clock)
+
+            ledger_queue = InMemoryReportingOutbox(store)
+            # The SDK's non-production service runs the materializer and then the hand-off as
+            # its two worker extensions, once per turn.
+            service = ReliableReportingService(store=store, account_context=lambda configuration: None, clock=clock,
+                                               materialization_worker=materializer(store, binding, verifier),
+                                               notification_worker=handoff(ledger_queue),
+                                               notification_attempt_store=pg_engine)
+            try:
+                first = await service.run_worker()  # materialized; the revision's event handed off
+                assert not first.extension_errors and first.extension_results[0].state == "verified"
+                await admit_delivery_ready(store)
+                second = await service.run_worker()  # the materialization's event handed off
+                assert not second.extension_errors
+            finally:
+                await service.close()
+            results = first.extension_results[1] + second.extension_results[1]
+            status_turn = await ReportingStatusProjector(status).run_once(account_id=ACCOUNT)
+            assert (status_turn.did_work, status_turn.events) == (True, 1)  # the obligation's health changed once
+            results += await handoff(status.outbox).run_once()
+            bodies: dict[str, bytes] = {}
+            for queue in (ledger_queue, status.outbox):
+                bodies.update(await sealed_bodies(queue, cipher))
+            assert sorted(r.idempotency_key for r in results if r.state == "complete") == sorted(bodies)
             assert {json.loads(b).get("reporting_revision_id") for b in bodies.values()} >= {"rev_buyer-a"}
             return bodies
 
