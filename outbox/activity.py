@@ -37,7 +37,7 @@ _STATUS = {"success": "success", "failed": "failed", "timeout": "timeout", "conn
            "abandoned": "connection_error"}
 
 
-def _secret_looking(segment: str) -> bool:
+def secret_looking(segment: str) -> bool:
     """A path segment that looks like a credential: a UUID, or long mixed random material."""
     if _UUID.fullmatch(segment):
         return True
@@ -49,7 +49,7 @@ def activity_url(url: str) -> str:
     """The URL as a buyer may see it: :func:`outbox.urls.public_url` (no userinfo, query or
     fragment), with secret-looking path segments redacted too."""
     parts = urlsplit(public_url(url))
-    path = "/".join(REDACTED if _secret_looking(s) else s for s in parts.path.split("/"))
+    path = "/".join(REDACTED if secret_looking(s) else s for s in parts.path.split("/"))
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 

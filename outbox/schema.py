@@ -190,6 +190,8 @@ attempts = Table(
     Column("occurred_at", _Epoch, nullable=False, server_default=db_now()),
     Column("trace_id", Text),  # the attempt's span (OpenTelemetry), when tracing is on
     Column("span_id", Text),
+    # The start of a failed answer's body: one line, masked, <= 200 characters (outbox/masking.py).
+    Column("response_excerpt", Text),
     Index("outbox_attempts_message_idx", "message_id", "attempt_number"),
     Index("outbox_attempts_occurred_idx", "occurred_at"),
 )

@@ -14,10 +14,10 @@ import asyncio
 
 import h11
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from supervisor.wire.http1 import Http1Connection, Response, TransportFailure, encode_request
+from supervisor.wire.http1 import ERROR_BODY_KEPT, Http1Connection, Response, TransportFailure, encode_request
 from supervisor.wire.transport import HttpSender
 from tests.test_transport import BODY, HEADERS, Request, ok, response  # noqa: F401 - fixtures below
 from tests.test_transport import event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
@@ -67,8 +67,14 @@ async def exchange(chunks: list[bytes], eof: bool, read_timeout: float = 5.0
         return failure
 
 
+def _kept(status: int) -> int:
+    return CAP if 200 <= status <= 299 else ERROR_BODY_KEPT
+
+
 def oracle(raw: bytes, eof: bool) -> tuple[int, dict[str, str], bytes, bool] | None:
-    """What h11 reads from ``raw``: (status, headers, body[:CAP], reusable), or None if it is not a response."""
+    """What h11 reads from ``raw``: (status, headers, body, reusable), or None if it is not a response.
+
+    Reading stops at CAP bytes of body; of a non-2xx answer only the first ERROR_BODY_KEPT are kept."""
     client = h11.Connection(h11.CLIENT)
     client.send(h11.Request(method="POST", target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
     client.send(h11.EndOfMessage())
@@ -87,10 +93,10 @@ def oracle(raw: bytes, eof: bool) -> tuple[int, dict[str, str], bytes, bool] | N
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) >= CAP:
-                    return status, headers, body[:CAP], False
+                    return status, headers, body[:_kept(status)], False
             elif isinstance(event, h11.EndOfMessage):
                 reusable = client.our_state is h11.DONE and client.their_state is h11.DONE
-                return status, headers, body, reusable and not eof
+                return status, headers, body[:_kept(status)], reusable and not eof
             elif event is h11.NEED_DATA or isinstance(event, h11.ConnectionClosed):
                 return None
     except h11.RemoteProtocolError:
@@ -142,6 +148,9 @@ def split(raw: bytes, cuts: list[int]) -> list[bytes]:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(responses(), st.lists(st.integers(0, 10_000), max_size=6))
+# A failed answer longer than what is kept of it, within the cap (reused) and past it (dropped).
+@example((b"HTTP/1.1 503 X\r\nContent-Length: 600\r\n\r\n" + b"b" * 600, False), [100, 300])
+@example((b"HTTP/1.1 503 X\r\nContent-Length: 2000\r\n\r\n" + b"b" * 2000, False), [7])
 def test_reads_every_framing_as_h11_does(case: tuple[bytes, bool], cuts: list[int]) -> None:
     raw, close = case
     expected = oracle(raw, eof=close)

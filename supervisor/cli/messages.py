@@ -117,8 +117,8 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
                                  else json.dumps(payload, indent=2, ensure_ascii=False).replace("\n", "\n" + " " * 17)))
     print()
     table([(a["attempt_number"], a["occurred_at"], a["outcome"], a["http_status"], a["response_time_ms"],
-            a["trigger"], a["error"]) for a in data["attempt_trail"]],
-          ["ATTEMPT", "AT", "OUTCOME", "HTTP", "MS", "TRIGGER", "ERROR"])
+            a["trigger"], a["error"], a["response_excerpt"]) for a in data["attempt_trail"]],
+          ["ATTEMPT", "AT", "OUTCOME", "HTTP", "MS", "TRIGGER", "ERROR", "RESPONSE"])
     return 0
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
+from outbox.masking import response_excerpt
 from outbox.producer import decode_body
 from outbox.sealing import CREDENTIAL, KeyUnavailable, SealError, plaintext
 from outbox.store import Claimed
@@ -21,6 +22,7 @@ from outbox.urls import validate_destination
 from supervisor.cycle import challenge
 from supervisor.wire.classify import Verdict, classify_response, classify_transport_error
 from supervisor.wire.signing import CONTENT_TYPE, Clock, KeySource, bearer_headers, hmac_headers, signature_headers
+from supervisor.wire.http1 import ERROR_BODY_KEPT
 from supervisor.wire.transport import HttpSender
 
 
@@ -42,6 +44,9 @@ class Outcome:
     retry_after: float | None = None
     sent: bool = False  # a request was made: counts for the circuit breaker
     trace: tuple[str, str] | None = None  # (trace id, span id) of the attempt's span, when tracing is on
+    # The start of a non-2xx answer's body, sanitized and masked (outbox.masking): for the
+    # attempt row only, never a log line, a metric or a buyer's activity record.
+    response_excerpt: str | None = None
 
     @classmethod
     def held(cls, message: Claimed, error: str) -> "Outcome":
@@ -178,8 +183,11 @@ async def attempt(message: Claimed, *, settings: Settings, keys: KeySource, send
     # The verdict's words for an answer (and for a proof that failed), else the transport's.
     error = verdict.detail if result.status is not None or verdict.reason == "proof_failed" else result.error
     error = None if verdict.action == "delivered" else error
+    failed_answer = result.status is not None and not 200 <= result.status <= 299 and result.body
     return Outcome(
         message, verdict.action, verdict.outcome, reason=verdict.reason, http_status=result.status,
         error=error[:200] if error else None, response_time_ms=result.elapsed_ms,
         retry_after=verdict.retry_after, sent=result.sent,
+        response_excerpt=response_excerpt(result.body, cut=len(result.body) >= ERROR_BODY_KEPT)
+        if failed_answer else None,
     )

@@ -281,7 +281,9 @@ class Completer:
             revoked = await _revoked(conn, batch)
             plans = [self._plan(outcome, now, outcome.message.id in revoked) for outcome in batch]
             applied = await store.complete(conn, [completion for completion, _ in plans])
-            await store.insert_attempts(conn, [record.as_row() for completion, record in plans
+            # The excerpt goes to the row only: the record itself reaches the sinks (logs).
+            await store.insert_attempts(conn, [record.as_row() | {"response_excerpt": o.response_excerpt}
+                                               for o, (completion, record) in zip(batch, plans)
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
             settled = await self._settle_proofs(conn, batch, plans, applied)

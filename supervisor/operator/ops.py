@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
 from outbox.activity import rfc3339
+from outbox.masking import REDACTED, is_secret_key
 from outbox.producer import decode_body
 from outbox.schema import attempts, breakers, messages, subscribers
 from outbox.urls import public_url, redact_urls
@@ -22,11 +23,6 @@ from outbox.sealing import SealError, SealingKeys, plaintext
 
 MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "body_key_id", "auth_secret",
                                                          "lease_token")]
-# Keys whose values are credentials wherever they appear in a payload: the buyer's
-# push-notification token, an authentication object, credentials (docs/protocol.md).
-SECRET_KEYS = frozenset({"token", "authentication", "credentials", "authorization", "secret", "password",
-                         "api_key"})
-REDACTED = "[redacted]"
 
 
 def _with_times(data: dict[str, Any]) -> dict[str, Any]:
@@ -157,12 +153,6 @@ async def show(conn: AsyncConnection, ref: str, keys: SealingKeys | None = None)
         data["subscriber_state"] = (await conn.execute(select(subscribers.c.state).where(
             subscribers.c.id == row.subscriber_ref))).scalar() or "removed"
     return data
-
-
-def is_secret_key(name: str) -> bool:
-    """Whether a payload key or column name holds a credential (``token``, ``auth_secret``, ...)."""
-    lowered = name.lower()
-    return lowered in SECRET_KEYS or lowered.endswith(("_secret", "_token", "_password", "_credentials"))
 
 
 def redact(value: Any) -> Any:

@@ -35,9 +35,12 @@ from typing import cast
 
 import httptools
 
-__all__ = ["Http1Connection", "Response", "StaleConnection", "TransportFailure", "connect", "encode_request"]
+__all__ = ["ERROR_BODY_KEPT", "Http1Connection", "Response", "StaleConnection", "TransportFailure", "connect", "encode_request"]
 
 Response = tuple[int, dict[str, str], bytes, bool]  # status, lower-cased headers, body, reusable
+# What is kept of a non-2xx answer's body: enough for the attempt row's excerpt, no more. The
+# rest is read (up to the cap, so the connection can be reused) but never held.
+ERROR_BODY_KEPT = 256
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
@@ -171,6 +174,7 @@ class Http1Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, body_cap: int) -> None:
         self._loop = loop
         self._body_cap = body_cap
+        self._kept = body_cap  # how much of this answer's body is held (ERROR_BODY_KEPT unless 2xx)
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[Response] | None = None
@@ -273,20 +277,18 @@ class Http1Connection(asyncio.Protocol):
         if 100 <= status < 200:  # informational (100 Continue, 103 Early Hints): the answer follows
             return
         self._status = status
+        self._kept = self._body_cap if 200 <= status <= 299 else min(ERROR_BODY_KEPT, self._body_cap)
         self._final = True
         self._framed = "content-length" in self._headers or "transfer-encoding" in self._headers
 
     def on_body(self, body: bytes) -> None:
         if not self._final or self._waiter is None:
             return
-        room = self._body_cap - self._size
-        if len(body) >= room:  # the cap: keep what fits, never read the rest
-            self._body.append(body[:room])
-            self._size = self._body_cap
-            self._finish(reusable=False)
-            return
-        self._body.append(body)
+        if self._size < self._kept:
+            self._body.append(body[:self._kept - self._size])
         self._size += len(body)
+        if self._size >= self._body_cap:  # the cap: never read the rest
+            self._finish(reusable=False)
 
     def on_message_complete(self) -> None:
         if self._final:

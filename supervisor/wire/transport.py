@@ -19,7 +19,7 @@ Why this is not just ``httpx.AsyncClient().post(url)``:
   (docs/performance.md, "The HTTP client").
 * **Hostile receivers cannot hold us.** Redirects are never followed (docs/protocol.md
   "Destinations (SSRF)"), at most :data:`RESPONSE_BODY_CAP` bytes of a body are read
-  (docs/protocol.md "Sizes and timeouts"), and the whole attempt (DNS + connect + exchange)
+  (docs/protocol.md "Sizes and timeouts") and at most 256 of a failed answer's are held, and the whole attempt (DNS + connect + exchange)
   has a hard deadline of ``connect + read`` timeout, which ``Settings`` guarantees is
   shorter than the lease, so a trickling receiver cannot make an attempt outlive its lease
   and be sent twice at once.
@@ -79,7 +79,9 @@ class HttpResult:
 
     status: int | None  # None when no (complete) HTTP response
     headers: Mapping[str, str]  # lower-cased names
-    body: bytes  # at most RESPONSE_BODY_CAP bytes read, the rest never read
+    # At most RESPONSE_BODY_CAP bytes read, the rest never read; of a non-2xx answer only the
+    # first ERROR_BODY_KEPT bytes are held (the attempt row's excerpt).
+    body: bytes
     elapsed_ms: int
     error_kind: str | None  # None | "timeout" | "connection_error" | "protocol_error" | "blocked" | "invalid"
     error: str | None  # short, fixed vocabulary, <= 200 chars; no URL, query, IP or OS text
