@@ -64,6 +64,18 @@ def sign_in(browser: Any, base: str) -> None:
     browser.find_element(By.ID, "health")
 
 
+def submit(browser: Any, by: str, value: str) -> None:
+    """Click what loads a new page and wait until it has replaced the old one, so the next
+    lookup never reads the previous page (its notice, say) as it goes stale."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    old = browser.find_element(By.TAG_NAME, "html")
+    browser.find_element(by, value).click()
+    WebDriverWait(browser, 30).until(expected_conditions.staleness_of(old))
+
+
 def keep_shots(shots: list[Path]) -> None:
     """Each screenshot is a 1400×1000 PNG; copied to ``$CONSOLE_SHOTS_DIR`` when set."""
     target = os.environ.get("CONSOLE_SHOTS_DIR")
@@ -189,7 +201,7 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
                 browser.get(f"{console}/messages")
                 browser.find_element(By.ID, "tenant").send_keys("tenant-0")
                 browser.find_element(By.ID, "key").send_keys(k)
-                browser.find_element(By.ID, "search-button").click()
+                submit(browser, By.ID, "search-button")
                 assert procs.wait_until(lambda: "key=" in browser.current_url, 15)  # the results page, not the form's
                 rows = browser.find_elements(By.CSS_SELECTOR, "#results tr")[1:]
                 assert len(rows) == 1 and "Dead: Gone" in rows[0].text and k in rows[0].text
@@ -197,9 +209,9 @@ def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, p
                 payload = browser.find_element(By.ID, "payload").text
                 assert "[redacted]" in payload and "e2e-token" not in browser.page_source
                 assert "410" in browser.find_element(By.ID, "attempts").text
-                browser.find_element(By.ID, "replay-button").click()
+                submit(browser, By.ID, "replay-button")
                 assert "1 message(s) would be replayed" in browser.find_element(By.ID, "dry-run-count").text
-                browser.find_element(By.ID, "confirm-button").click()
+                submit(browser, By.ID, "confirm-button")
                 assert "Replayed 1 message(s)" in browser.find_element(By.ID, "replayed-count").text
                 replays = lambda: [a for a in procs.arrivals(log) if a["key"] == k]  # noqa: E731
                 assert procs.wait_until(lambda: len(replays()) == 2 and finished(pg_engine, 2), 30)
@@ -269,15 +281,15 @@ def test_endpoint_health_and_a_recovery_job_in_the_browser(pg_engine, pg_url, tm
                 rate = browser.find_element(By.ID, "job-rate")
                 rate.clear()
                 rate.send_keys("1")
-                browser.find_element(By.ID, "count-job-button").click()
+                submit(browser, By.ID, "count-job-button")
                 counted = browser.find_element(By.ID, "job-dry-run-count").text
                 assert counted.startswith(f"{len(doomed)} dead message(s) match now")
                 with pg_engine.connect() as conn:
                     assert conn.execute(select(func.count()).select_from(jobs)).scalar_one() == 0  # counted only
-                browser.find_element(By.ID, "confirm-job-button").click()
+                submit(browser, By.ID, "confirm-job-button")
                 assert "Recovery job started" in browser.find_element(By.ID, "notice").text
                 assert procs.wait_until(lambda: job_row(pg_engine).done >= 2, 30)
-                browser.find_element(By.ID, "pause-button").click()
+                submit(browser, By.ID, "pause-button")
                 assert "Job paused" in browser.find_element(By.ID, "notice").text
                 paused = job_row(pg_engine)
                 count = browser.find_element(By.CSS_SELECTOR, "#job .job-count")
@@ -295,8 +307,8 @@ def test_endpoint_health_and_a_recovery_job_in_the_browser(pg_engine, pg_url, tm
                     browser.find_element(By.ID, f"job-{paused.id}").text
                 shots.append(tmp_path / "console-jobs.png")
                 assert browser.get_screenshot_as_file(str(shots[-1]))
-                browser.find_element(By.LINK_TEXT, str(paused.id)).click()
-                browser.find_element(By.ID, "resume-button").click()
+                submit(browser, By.LINK_TEXT, str(paused.id))
+                submit(browser, By.ID, "resume-button")
                 assert "Job resumed" in browser.find_element(By.ID, "notice").text
                 assert procs.wait_until(lambda: job_row(pg_engine).state == "done", 60)
                 arrived = lambda: [a["key"] for a in procs.arrivals(log)]  # noqa: E731

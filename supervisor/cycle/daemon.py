@@ -254,7 +254,8 @@ class Daemon:
             asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
                                           horizon_seconds=self.settings.retry_horizon_seconds).run(), name="jobs"),
         ]
-        background.append(asyncio.create_task(self.resealer.run(), name="resealer"))
+        resealer = asyncio.create_task(self.resealer.run(), name="resealer")
+        background.append(resealer)
         if self.settings.reporting_handoff:  # docs/reporting.md: the SDK's notifications, sent by outboxd
             background.append(asyncio.create_task(run_handoff(self.settings, self.metrics), name="reporting"))
         if is_postgresql(self.settings.database_url):
@@ -278,10 +279,15 @@ class Daemon:
             if failure is None:
                 await self.claimer.finish(self.settings.shutdown_grace_seconds)
                 await self.completer.drain()
+            # Stop counting as an encryption-key reader while the other loops still run: their
+            # transactions end normally, so on SQLite this write never waits behind the write
+            # lock of a loop cancelled in the middle of one (up to the busy timeout).
+            resealer.cancel()
+            await asyncio.gather(resealer, return_exceptions=True)
+            await self.resealer.stop()
             for task in [stopper, *background]:
                 task.cancel()
             await asyncio.gather(stopper, *background, return_exceptions=True)
-            await self.resealer.stop()
             await self.fanout.close()
             await self.health.close()
             await self.sender.aclose()
