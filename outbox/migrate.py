@@ -8,9 +8,12 @@ the two histories independent.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -98,6 +101,32 @@ def record_additive(revision: str, parent: str) -> None:
     inherited = op.get_bind().execute(select(schema_compat.c.min_reader_revision)
                                       .where(schema_compat.c.revision == parent)).scalar()
     record_min_reader(revision, inherited or parent)
+
+
+@contextmanager
+def rebuild_messages_table() -> Iterator[Any]:
+    """``op.batch_alter_table("outbox_messages")`` that keeps the table's indexes on SQLite.
+
+    SQLite changes a CHECK only by rebuilding the table, and the rebuild cannot reflect
+    expression indexes: their DDL is read first and each one the rebuild dropped is recreated
+    exactly as it was (PostgreSQL alters in place and has nothing to restore)."""
+    import warnings
+
+    import sqlalchemy as sa
+    from alembic import op
+
+    bind = op.get_bind()
+    indexes = [tuple(r) for r in bind.execute(sa.text(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'outbox_messages'"
+        " AND sql IS NOT NULL"))] if bind.dialect.name == "sqlite" else []
+    with warnings.catch_warnings(), op.batch_alter_table("outbox_messages") as batch:
+        warnings.filterwarnings("ignore", "Skipped unsupported reflection of expression-based index",
+                                sa.exc.SAWarning)
+        yield batch
+    for name, ddl in indexes:
+        found = bind.execute(sa.text("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = :n"), {"n": name})
+        if found.first() is None:
+            op.execute(ddl)
 
 
 @dataclass(frozen=True)

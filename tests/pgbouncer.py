@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from sqlalchemy.engine import make_url
+from tests.procs import free_port
 
 PGBOUNCER = "/usr/sbin/pgbouncer"
 
@@ -38,12 +38,6 @@ class Bouncer:
     def unlinked_packets(self) -> int:
         """Server messages PgBouncer got for no client (a NOTIFY for a LISTEN it pooled away)."""
         return self.log.read_text(errors="replace").count("when not linked")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

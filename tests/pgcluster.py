@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,12 +20,7 @@ import uuid
 import psycopg
 
 from tests.pgserver import _pg_bin, run_as_postgres
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.procs import free_port
 
 
 class PgCluster:

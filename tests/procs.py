@@ -24,6 +24,13 @@ from supervisor.wire.signing import generate_signing_key_pem, load_signing_key
 KEY_ID = "e2e-key"
 
 
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def make_key(directory: Path, alg: str = "ed25519") -> tuple[Path, Path]:
     """A signing key PEM and the matching public JWKS file."""
     pem = directory / "signing-key.pem"

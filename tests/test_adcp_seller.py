@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,18 +31,13 @@ from outbox.config import load_settings
 from outbox.db import make_engine
 from outbox.schema import messages
 from tests import adcp_schema, procs, ts_sdk
+from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "adcp_seller.py"
 BOOT_SECONDS = 600  # a bound: the SDK import and MCP schema build take ~40 s of CPU, far longer on a loaded box
 HORIZON = 172_800  # not the default, so an advertised 86400 could not pass by accident
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

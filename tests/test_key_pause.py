@@ -8,7 +8,6 @@ promoting a new key delivers each message on its first attempt.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -24,12 +23,6 @@ from tests import procs
 pytestmark = pytest.mark.e2e
 SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 PAUSED = "the default scope has no active signing key: its deliveries are paused"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(env: dict[str, str], *args: str, exit_code: int = 0) -> subprocess.CompletedProcess[str]:
@@ -74,7 +67,7 @@ def _attempt_rows(engine) -> int:
 
 def test_revoking_the_active_key_pauses_its_scope_until_a_key_is_promoted(pg_engine, pg_url, tmp_path) -> None:
     key, _ = procs.make_key(tmp_path)
-    metrics_port = _free_port()
+    metrics_port = procs.free_port()
     env = procs.daemon_env(pg_url, key, metrics_addr=f"127.0.0.1:{metrics_port}")
     log = tmp_path / "d.log"
     with procs.receiver(tmp_path, None) as (port, arrivals_log):

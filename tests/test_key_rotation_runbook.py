@@ -22,7 +22,7 @@ import pytest
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from tests import procs
-from tests.pgcluster import free_port
+from tests.procs import free_port
 from tests.test_e2e import enqueue_many
 
 pytestmark = pytest.mark.e2e

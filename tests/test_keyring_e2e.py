@@ -25,7 +25,7 @@ from outbox.schema import attempts, messages
 from supervisor.keys import keyring
 from supervisor.keys.keyring import KeyringError
 from tests import procs
-from tests.pgcluster import free_port
+from tests.procs import free_port
 from tests.test_e2e import SETTINGS
 
 pytestmark = pytest.mark.e2e
@@ -116,7 +116,6 @@ def test_two_daemons_rotate_and_revoke_while_delivering(pg_engine, pg_url, tmp_p
 
             revoked = keys_cli(envs[0], "revoke", procs.KEY_ID)
             assert revoked.returncode == 0, revoked.stderr
-            revoked_at = time.time()
             assert procs.wait_until(lambda: all(kids(u) == ["k2"] for u in jwks_urls), 1.0, 0.05)
             _assert_revocation_list_lists(revocations_url, jwks_urls[0], procs.KEY_ID)
             time.sleep(1.5)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -32,12 +31,6 @@ def cli(capsys, monkeypatch, url: str, *args: str) -> tuple[int, str, str]:
     code = main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_replay_of_a_dead_message_arrives_with_same_bytes_and_key(pg_engine, pg_url, tmp_path, capsys, monkeypatch):
@@ -121,7 +114,7 @@ def test_keys_generate(tmp_path, capsys):
 
 def test_metrics_health_and_no_secret_anywhere(pg_engine, pg_url, tmp_path):
     key, jwks = procs.make_key(tmp_path)
-    metrics_port = free_port()
+    metrics_port = procs.free_port()
     settings = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
                                          "OUTBOX_ENCRYPTION_KEY": ENC_KEY})
     with procs.receiver(tmp_path, jwks) as (port, log):

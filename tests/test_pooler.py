@@ -33,7 +33,8 @@ from sqlalchemy.engine import make_url
 import outbox
 from outbox.schema import messages
 from tests import procs
-from tests.pgbouncer import free_port, pgbouncer
+from tests.pgbouncer import pgbouncer
+from tests.procs import free_port
 from tests.test_db_faults import (PRODUCER, _exit_line, all_finished, check_ledger, daemon_events, load_messages,
                                   message_key)
 from tests.test_e2e import leased_by

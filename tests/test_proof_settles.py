@@ -9,7 +9,6 @@ configuration then proves the URL and releases what was held meanwhile.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -58,15 +57,9 @@ def _metric(port: int, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_challenge_past_its_horizon_fails_the_proof_visibly_and_a_resend_proves_again(
         pg_engine, pg_url, tmp_path) -> None:
-    metrics_port = _free_port()
+    metrics_port = procs.free_port()
     key, jwks = procs.make_key(tmp_path)
     with procs.receiver(tmp_path, jwks) as (port, _):
         subscriber, held = _register_and_fire(pg_engine, f"http://127.0.0.1:{port}/ok/late", 1)

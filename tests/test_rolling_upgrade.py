@@ -22,7 +22,7 @@ from outbox.db import make_engine
 from outbox.migrate import head_revision, upgrade
 from tests import procs
 from tests.test_e2e import enqueue_many, finished
-from tests.test_ui import free_port
+from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from supervisor.cli import main as cli
 from tests import procs, stored
 from tests.test_e2e import finished, states
 from tests.test_rolling_upgrade import readyz
-from tests.test_ui import free_port
+from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -104,12 +103,6 @@ def bucket_bounds(latency: float) -> tuple[float, float]:
     return lower, float("inf")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def console_env(database_url: str) -> dict[str, str]:
     """The daemon's test environment without a signing key: the console signs nothing."""
     return {k: v for k, v in procs.daemon_env(database_url, Path("unused.pem")).items()
@@ -120,7 +113,7 @@ def console_env(database_url: str) -> dict[str, str]:
 def console(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One console process for the module (each test empties the tables it reads)."""
     log = tmp_path_factory.mktemp("console") / "ui.log"
-    port = free_port()
+    port = procs.free_port()
     proc = procs.start_ui({**console_env(pg_url), "OUTBOX_UI_TOKEN": TOKEN}, port, log)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -345,7 +338,7 @@ async def test_subscribers_are_shown_and_masked(sqlite_engine, settings):
 
 
 def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_path):
-    port = free_port()
+    port = procs.free_port()
     proc = procs.start_ui(console_env(pg_url), port, tmp_path / "ui.log")
     try:
         printed = (tmp_path / "ui.log").read_text()

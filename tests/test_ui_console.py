@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 from outbox.schema import breakers, messages
 from tests import procs
 from tests.console_history import DUE_AGO, OPEN_ENDPOINT, QUIET_TO, attempt_rows, seed, tally
-from tests.test_ui import (TOKEN, chromium, console, console_env, free_port,  # noqa: F401 (fixture)
+from tests.test_ui import (TOKEN, chromium, console, console_env,  # noqa: F401 (fixture)
                            keep_shots, needs_chromium, sign_in, signed_in)
 
 pytestmark = pytest.mark.e2e
@@ -192,14 +192,14 @@ def test_refresh_pauses(pg_engine, console):
 
 @pytest.mark.parametrize("token", ["short-token", "x" * 31])
 def test_a_short_token_is_refused_off_loopback(pg_url, tmp_path, token):
-    env = {**console_env(pg_url), "OUTBOX_UI_TOKEN": token, "OUTBOX_UI_ADDR": f"0.0.0.0:{free_port()}"}
+    env = {**console_env(pg_url), "OUTBOX_UI_TOKEN": token, "OUTBOX_UI_ADDR": f"0.0.0.0:{procs.free_port()}"}
     done = subprocess.run([sys.executable, "-m", "supervisor.cli", "ui"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode != 0 and "needs at least 32" in done.stderr
 
 
 def test_a_short_token_is_fine_on_loopback(pg_url, tmp_path):
-    port = free_port()
+    port = procs.free_port()
     proc = procs.start_ui({**console_env(pg_url), "OUTBOX_UI_TOKEN": "short"}, port, tmp_path / "ui.log")
     try:
         assert httpx.post(f"http://127.0.0.1:{port}/login", data={"token": "short"}).status_code == 303

@@ -11,12 +11,11 @@ claims it either.
 
 from __future__ import annotations
 
-import warnings
 
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrate import record_min_reader
+from outbox.migrate import rebuild_messages_table, record_min_reader
 from outbox.schema import PG_NOW, SQLITE_NOW
 
 revision = "0005_subscribers"
@@ -32,22 +31,6 @@ _NEW_COLUMNS = ("principal_id", "account_id", "subscriber_id", "notification_id"
 
 def _reason_check(reasons: str) -> str:
     return f"dead_reason IS NULL OR dead_reason IN ({reasons})"
-
-
-def _sqlite_indexes() -> list[tuple[str, str]]:
-    """The table's index DDL: the rebuild cannot reflect expression indexes, so they are kept here."""
-    return [tuple(r) for r in op.get_bind().execute(sa.text(
-        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'outbox_messages'"
-        " AND sql IS NOT NULL"))]
-
-
-def _restore(indexes: list[tuple[str, str]]) -> None:
-    """Recreate every index the SQLite rebuild dropped, exactly as it was."""
-    bind = op.get_bind()
-    for name, ddl in indexes:
-        found = bind.execute(sa.text("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = :n"), {"n": name})
-        if found.first() is None:
-            op.execute(ddl)
 
 
 def upgrade() -> None:
@@ -82,11 +65,7 @@ def upgrade() -> None:
 
     held = sa.text("held")
     notification = sa.text("notification_type IS NOT NULL")
-    indexes = _sqlite_indexes() if dialect == "sqlite" else []
-    with warnings.catch_warnings(), op.batch_alter_table("outbox_messages") as batch:  # SQLite: a CHECK changes only by a rebuild
-        # The rebuild cannot reflect the expression index; _restore() recreates it from its SQL.
-        warnings.filterwarnings("ignore", "Skipped unsupported reflection of expression-based index",
-                                sa.exc.SAWarning)
+    with rebuild_messages_table() as batch:  # SQLite: a CHECK changes only by a rebuild
         for name in _NEW_COLUMNS:
             batch.add_column(sa.Column(name, sa.Text))
         batch.add_column(sa.Column("subscriber_ref", sa.BigInteger))
@@ -94,7 +73,6 @@ def upgrade() -> None:
         batch.drop_constraint("outbox_messages_dead_reason_check", type_="check")
         batch.create_check_constraint("outbox_messages_dead_reason_check",
                                       sa.text(_reason_check(_OLD_REASONS + ", 'proof_failed'")))
-    _restore(indexes)
     op.create_index("outbox_messages_held_idx", "outbox_messages", ["subscriber_ref"],
                     postgresql_where=held, sqlite_where=held)
     # webhook_activity(): a principal's notification fires, newest first (then their attempts).

@@ -9,12 +9,11 @@ never writes the new reason itself.
 
 from __future__ import annotations
 
-import warnings
 
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrate import record_additive
+from outbox.migrate import rebuild_messages_table, record_additive
 
 revision = "0013_cancelled_reason"
 down_revision = "0011_observability"
@@ -30,21 +29,9 @@ def _reason_check(reasons: str) -> str:
 
 
 def _widen(reasons: str) -> None:
-    dialect = op.get_bind().dialect.name
-    indexes = [tuple(r) for r in op.get_bind().execute(sa.text(
-        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'outbox_messages'"
-        " AND sql IS NOT NULL"))] if dialect == "sqlite" else []
-    with warnings.catch_warnings(), op.batch_alter_table("outbox_messages") as batch:  # SQLite: a CHECK changes only by a rebuild
-        # The rebuild cannot reflect the expression indexes; the loop below recreates them.
-        warnings.filterwarnings("ignore", "Skipped unsupported reflection of expression-based index",
-                                sa.exc.SAWarning)
+    with rebuild_messages_table() as batch:
         batch.drop_constraint("outbox_messages_dead_reason_check", type_="check")
         batch.create_check_constraint("outbox_messages_dead_reason_check", sa.text(_reason_check(reasons)))
-    for name, ddl in indexes:  # the rebuild cannot reflect expression indexes: recreate them as they were
-        found = op.get_bind().execute(sa.text("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = :n"),
-                                      {"n": name})
-        if found.first() is None:
-            op.execute(ddl)
 
 
 def upgrade() -> None:
