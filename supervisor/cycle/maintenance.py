@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 from sqlalchemy import func, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox import store
 from outbox.config import Settings
@@ -84,6 +85,18 @@ class Maintenance:
         self._partitioned = engine.dialect.name == "postgresql"  # SQLite keeps one attempts table
         self._log = structlog.get_logger("outboxd.maintenance")
 
+    async def _expired(self, conn: AsyncConnection, expired: list[Any]) -> challenge.Settled:
+        """What messages ended past their horizon settle, in the same transaction: an expired
+        URL proof fails, and the endpoint-health rollup and operator events count them."""
+        settled = await challenge.settle(conn, [], [r.id for r in expired])
+        now = await store.db_now(conn)
+        await health_stats.record(conn, health_stats.tally(
+            (health_stats.Recorded(r.tenant_id, r.origin, False, False, None, True) for r in expired if r.origin),
+            now=now, daemon_id=self._daemon_id))
+        await events.messages_ended(conn, [(r.tenant_id, r.origin, "expired") for r in expired], now=now,
+                                    window=self._settings.operator_events_window_seconds)
+        return settled
+
     async def run(self) -> None:
         ticks = 0
         while True:
@@ -95,14 +108,10 @@ class Maintenance:
                 if ticks % int(EXPIRE_INTERVAL / RESCUE_INTERVAL) == 0:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
-                        settled = await challenge.settle(conn, [], [r.id for r in expired])  # an expired proof failed
-                        await health_stats.record(conn, health_stats.tally(
-                            (health_stats.Recorded(r.tenant_id, r.origin, False, False, None, True)
-                             for r in expired if r.origin), now=await store.db_now(conn), daemon_id=self._daemon_id))
-                        await events.messages_ended(conn, [(r.tenant_id, r.origin, "expired") for r in expired],
-                                                    now=await store.db_now(conn),
-                                                    window=self._settings.operator_events_window_seconds)
-                    settled.count(self._metrics)
+                        # most ticks expire nothing: no further statement then
+                        settled = await self._expired(conn, expired) if expired else None
+                    if settled is not None:
+                        settled.count(self._metrics)  # after the commit
                     for row in expired:
                         self._metrics.count_dead("expired", row.tenant_id)
                     if expired:
