@@ -66,13 +66,21 @@ def sign_in(browser: Any, base: str) -> None:
 def submit(browser: Any, by: str, value: str) -> None:
     """Click what loads a new page and wait until it has replaced the old one, so the next
     lookup never reads the previous page (its notice, say) as it goes stale."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    old = browser.find_element(By.TAG_NAME, "html")
+    def replaced(driver: Any) -> bool:
+        # A new document has a new window object without the mark; asking the old element
+        # whether it went stale can race the navigation inside chromedriver itself.
+        try:
+            return bool(driver.execute_script(
+                "return window.__outboxdOldPage === undefined && document.readyState === 'complete'"))
+        except WebDriverException:  # the script ran while the documents were swapping
+            return False
+
+    browser.execute_script("window.__outboxdOldPage = true")
     browser.find_element(by, value).click()
-    WebDriverWait(browser, 30).until(expected_conditions.staleness_of(old))
+    WebDriverWait(browser, 30).until(replaced)
 
 
 def keep_shots(shots: list[Path]) -> None:
