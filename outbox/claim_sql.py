@@ -44,7 +44,8 @@ def claim_sql(pg: bool, now: str) -> str:
     Per origin it then deals slots round-robin across that origin's tenants, up to the
     caller's per-origin lease budget (``:cap``; the claimer passes two rounds of
     ``OUTBOX_ENDPOINT_CONCURRENCY``, see ``supervisor/cycle/dispatch.py``) minus what this daemon
-    already holds there (its in-flight rows, outcomes not yet recorded included), and across
+    already holds there (``:held``: its open requests, the retryable failures its breaker has
+    not judged yet and the messages waiting their turn, as the daemon counts them), and across
     origins it takes everyone's first slot before anyone's second: fair, and nothing is
     claimed that would have to be handed back.
 
@@ -62,16 +63,16 @@ def claim_sql(pg: bool, now: str) -> str:
     (migration 0014, docs/architecture.md "Claiming ahead"). SQLite (a single host's
     outbox) ranks the due rows with a window function.
     """
-    done = "jsonb_array_elements_text(CAST(:done AS jsonb))" if pg else "json_each(:done)"
     room = f"""CASE WHEN b.state = 'open' AND b.open_until > {now} THEN 0
                     WHEN b.state = 'half_open' AND b.probe_until > {now} THEN 0
                     WHEN b.state IN ('open', 'half_open') THEN 1 ELSE :cap END"""
+    # What the daemon holds per origin, as it counts it (``:held``, a JSON object): reading
+    # it from this daemon's in-flight rows cost a scan of the lease index's dead entries,
+    # one per message delivered since the last vacuum (docs/performance.md).
+    each = "jsonb_each_text(CAST(:held AS jsonb))" if pg else "json_each(:held)"
     held = f"""
         held AS {"MATERIALIZED " if pg else ""}(
-            SELECT COALESCE(origin, '') AS o, count(*) AS n FROM outbox_messages
-            WHERE state = 'in_flight' AND leased_by = :daemon
-              AND id NOT IN (SELECT CAST(value AS {"bigint" if pg else "integer"}) FROM {done})
-            GROUP BY COALESCE(origin, '')
+            SELECT key AS o, CAST(value AS {"integer" if pg else "INTEGER"}) AS n FROM {each}
         ),"""
     if pg:
         heads = f"""{held}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,11 @@ class _Statements:
             ("new_next", "float"), ("delta", "int"), ("new_status", "int"), ("new_error", "text"),
             ("new_origin", "text"),
         ])
+        # PostgreSQL: the ids again, as an array, so the rows are found by primary key. Left
+        # to the join alone, the planner could read them through the in-flight index instead,
+        # whose dead entries (one per message delivered since the last vacuum) a bitmap scan
+        # visits every time: 5 ms a completion with a backlog of 30,000 (docs/performance.md).
+        by_key = " AND m.id = ANY(CAST(:ids AS bigint[]))" if pg else ""
         self.complete = text(f"""
             UPDATE outbox_messages AS m
             SET state = v.new_state, dead_reason = v.new_reason,
@@ -86,7 +91,7 @@ class _Statements:
                 finished_at = CASE WHEN v.new_state IN ('delivered', 'dead') THEN {now} END,
                 trigger = CASE WHEN v.new_state IN ('delivered', 'dead') THEN 'scheduled' ELSE m.trigger END
             FROM {completion}
-            WHERE m.id = v.mid AND m.lease_token = v.tok AND m.state = 'in_flight'
+            WHERE m.id = v.mid AND m.lease_token = v.tok AND m.state = 'in_flight'{by_key}
             RETURNING id
         """)
         # Successes restart only when the open period ends: half-open takes one probe at a
@@ -227,14 +232,15 @@ async def claim(
     horizon_seconds: int,
     daemon_id: str,
     endpoint_concurrency: int,
-    done_ids: Iterable[int] = (),
+    held: Mapping[str, int] | None = None,
     sent: float | None = None,
 ) -> list[Claimed]:
     """Lease up to ``limit`` messages that may be sent now, in one statement.
 
     Endpoints behind an open breaker are passed over, an origin gets no more than
-    ``endpoint_concurrency`` leases from this daemon (its in-flight rows except ``done_ids``,
-    whose request is over but not yet recorded), and claiming starts no clock: the
+    ``endpoint_concurrency`` leases from this daemon (``held``: the leases it holds per
+    origin, keyed like ``Claimed.origin`` with ``""`` for none, counted in memory by the
+    daemon: requests open, failures not yet judged, messages waiting), and claiming starts no clock: the
     retry horizon counts from enqueue (``retry_until`` is stamped with that deadline).
     Each row's origin is recomputed from its URL with :func:`outbox.urls.endpoint_origin`
     (the completion writes back a stored one that differs): a row a plain-SQL producer wrote
@@ -249,7 +255,7 @@ async def claim(
         await conn.execute(sql(conn).gather_due)
     result = await conn.execute(sql(conn).claim, {
         "limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
-        "token": token, "cap": endpoint_concurrency, "done": json.dumps(list(done_ids)),
+        "token": token, "cap": endpoint_concurrency, "held": json.dumps(dict(held or {})),
     })
     return [
         Claimed(
@@ -282,7 +288,10 @@ async def complete(conn: AsyncConnection, completions: Sequence[Completion]) -> 
          "new_error": c.last_error, "new_origin": c.origin}
         for c in completions
     ])
-    result = await conn.execute(sql(conn).complete, {"rows": rows})
+    params: dict[str, Any] = {"rows": rows}
+    if _is_pg(conn):
+        params["ids"] = [c.message_id for c in completions]
+    result = await conn.execute(sql(conn).complete, params)
     return {row.id for row in result}
 
 

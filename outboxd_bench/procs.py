@@ -23,6 +23,7 @@ from typing import Any
 READY_TIMEOUT = 30.0  # a daemon or receiver that does not start within this fails the phase
 STOP_TIMEOUT = 20.0
 POLL = 0.05
+BENCH_APPLICATION = "outboxd-bench"  # the bench's own connections: not metered as the daemon's work
 BACKEND_SAMPLE_SECONDS = 0.1  # how often CpuMeter reads the backends' CPU
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NPROC = os.cpu_count() or 1
@@ -78,8 +79,9 @@ class CpuMeter:
 
     CPU of the daemons, the receivers, this process (the producer), the PostgreSQL backends
     serving the bench database (their pids from ``pg_stat_activity``, their CPU from
-    ``/proc``), and ``other``: everything else that ran meanwhile (PostgreSQL's background
-    writers, other users of the machine).
+    ``/proc``; the bench's own connections, named ``BENCH_APPLICATION``, are left out: their
+    progress polls are not the daemon's work), and ``other``: everything else that ran
+    meanwhile (PostgreSQL's background writers, other users of the machine).
 
     A backend can close before the measurement ends (a peer's pool closing as its process
     exits), and ``/proc`` forgets it then: so the backends are sampled every
@@ -96,7 +98,7 @@ class CpuMeter:
 
     def _backends(self, conn: Any) -> dict[int, float]:
         pids = conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-                            " AND pid <> pg_backend_pid()").fetchall()
+                            " AND pid <> pg_backend_pid() AND application_name <> %s", (BENCH_APPLICATION,)).fetchall()
         return {pid: cpu for (pid,) in pids if (cpu := cpu_or_none(pid)) is not None}
 
     def _sample(self, conn: Any) -> None:

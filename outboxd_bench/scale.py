@@ -124,7 +124,7 @@ def _claim_params(bench: Bench) -> dict[str, Any]:
 
     return {"limit": _claim_limit(bench), "lease": bench.settings.lease_seconds,
             "horizon": bench.settings.retry_horizon_seconds, "daemon": "bench", "token": uuid.uuid4().hex,
-            "cap": LEASE_ROUNDS * bench.settings.endpoint_concurrency, "done": "[]"}
+            "cap": LEASE_ROUNDS * bench.settings.endpoint_concurrency, "held": "{}"}
 
 
 def _hits(plan_lines: list[str]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,7 +55,7 @@ def _claim_buffers(pg_engine: Any) -> int:
         with pg_engine.connect() as conn, conn.begin() as txn:
             plan = "\n".join(row[0] for row in conn.execute(explain, {
                 "limit": 50, "lease": 30.0, "horizon": 86_400, "daemon": "d", "token": "t", "cap": BUDGET,
-                "done": "[]"}))
+                "held": "{}"}))
             txn.rollback()
         hits.append(int(re.search(r"shared hit=(\d+)", plan).group(1)))
     return sorted(hits)[2]
@@ -77,10 +78,12 @@ def test_claim_work_does_not_grow_with_backlogged_endpoints(pg_engine, origins, 
     assert cost[3_000] <= 1.5 * cost[few], cost
 
 
-async def _claim(engine: Any, *, limit: int = 50, cap: int = BUDGET, daemon: str = "d1") -> list[store.Claimed]:
+async def _claim(engine: Any, *, limit: int = 50, cap: int = BUDGET, daemon: str = "d1",
+                 held: Sequence[store.Claimed] = ()) -> list[store.Claimed]:
+    """A claim by ``daemon``, which holds the leases ``held``."""
     async with engine.begin() as conn:
         return await store.claim(conn, limit=limit, lease_seconds=30, horizon_seconds=86_400, daemon_id=daemon,
-                                 endpoint_concurrency=cap)
+                                 endpoint_concurrency=cap, held=Counter(m.origin or "" for m in held))
 
 
 async def _complete(engine: Any, claimed: Sequence[store.Claimed], state: str, next_in: float = 0.0) -> None:
@@ -178,7 +181,7 @@ async def _replay_history(pg_engine: Any, ops: Sequence[tuple[str, int, Any]]) -
                                       "next_attempt_at) VALUES (:t, :u, :k, 'x', extract(epoch from now()) + :d)"),
                                  {"t": f"t{n}", "u": ORIGIN + "/hook", "k": uuid.uuid4().hex, "d": arg})
             elif op == "claim":
-                held += await _claim(engine, limit=n, cap=arg)
+                held += await _claim(engine, limit=n, cap=arg, held=held)
             elif op in ("retry", "deliver") and held:
                 done = [held.pop(n % len(held))]
                 await _complete(engine, done, "pending" if op == "retry" else "delivered", next_in=arg)

@@ -46,8 +46,7 @@ LEASE_ROUNDS = 2  # leases per origin (and in all) per round of requests: one ru
 class Claimer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
                  attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard,
-                 backlog: Callable[[], int] = lambda: 0,
-                 unrecorded: Callable[[], list[int]] = lambda: []) -> None:
+                 backlog: Callable[[], int] = lambda: 0) -> None:
         self._engine = engine
         # PostgreSQL: single statements in autocommit on the claimer's own driver connection
         # (supervisor/cycle/pgdirect.py). SQLite keeps its BEGIN IMMEDIATE transactions.
@@ -56,7 +55,6 @@ class Claimer:
         # lease budget, so a completer that falls behind slows claiming instead of letting
         # leases pile up (a crash would resend every one of them).
         self._backlog = backlog
-        self._unrecorded = unrecorded  # leased messages whose request is over (no slot held)
         self._settings = settings
         self._daemon_id = daemon_id
         self._metrics = metrics
@@ -93,7 +91,7 @@ class Claimer:
         for them goes back unsent), and ``failures`` (retryable) free their slots.
 
         Only those change what the claim may take for an origin: a success's lease stopped
-        counting there when its request ended (``unrecorded``). Recording does shrink the
+        counting there when its request ended (``Dispatcher.ended``). Recording does shrink the
         backlog, which is what a claimer out of lease budget waits for (``_starved``).
         """
         self._dispatch.tripped(tripped)
@@ -167,7 +165,7 @@ class Claimer:
                 batch = await store.claim(conn, limit=limit, lease_seconds=self._settings.lease_seconds,
                                           horizon_seconds=self._settings.retry_horizon_seconds,
                                           daemon_id=self._daemon_id, endpoint_concurrency=self._budget,
-                                          done_ids=self._unrecorded(), sent=sent)
+                                          held=held, sent=sent)
         self._metrics.claim_batch.observe(len(batch))
         for message in batch:
             held[message.origin or ""] = held.get(message.origin or "", 0) + 1

@@ -127,8 +127,8 @@ class Completer:
                  ) -> None:
         self._engine = engine
         self._direct = DirectConnection.of(engine, settings)
-        # Recording frees per-origin capacity (the claim counts this daemon's in-flight
-        # rows) and may trip breakers: tell the claimer, or it would sleep out its poll
+        # Recording frees per-origin capacity (a retryable failure holds its slot until
+        # then) and may trip breakers: tell the claimer, or it would sleep out its poll
         # interval with work due, or send what waits for a tripped endpoint.
         self._on_recorded = on_recorded
         self._settings = settings
@@ -142,7 +142,6 @@ class Completer:
         # holds while it records them: drain() must neither miss nor race that batch.
         self._taken: list[Outcome] = []
         self._recording = 0  # outcomes in the flush under way
-        self._unrecorded: set[int] = set()
         self._flushing = asyncio.Lock()
         # Unrecorded outcomes hold leases the claimer counts against its budget: a round of
         # them is worth a flush at once rather than at the end of the interval.
@@ -150,21 +149,7 @@ class Completer:
         self._log = structlog.get_logger("outboxd.completer")
 
     def submit(self, outcome: Outcome) -> None:
-        if outcome.action != "retry":  # a failure's slot frees once the breaker has judged it
-            self._unrecorded.add(outcome.message.id)
         self._queue.put_nowait(outcome)
-
-    @property
-    def unrecorded_ids(self) -> list[int]:
-        """Messages whose request is over but whose outcome is not recorded yet.
-
-        Their rows are still ``in_flight``; the claim does not count them against their
-        origin's capacity (no request of theirs is open), so a slot frees when the request
-        ends, not a flush later. Retryable failures are left out: their slot frees when
-        they are recorded, so an endpoint that fails everything gets no more requests than
-        its breaker's threshold plus one round of its concurrency before it trips.
-        """
-        return list(self._unrecorded)
 
     @property
     def backlog(self) -> int:
@@ -239,11 +224,9 @@ class Completer:
             return
         m = batch[0].message
         # Left to its lease: the rescuer hands it back when the lease runs out. Its request is
-        # over, so until then it must not hold a slot of its origin in the claim either (a
-        # tenant whose outcomes cannot be recorded would otherwise crowd out the origin's
-        # other tenants); after the lease it is no longer this daemon's lease anyway.
-        self._unrecorded.add(m.id)
-        asyncio.get_running_loop().call_later(self._settings.lease_seconds, self._unrecorded.discard, m.id)
+        # over, so it must not hold a slot of its origin either (a tenant whose outcomes cannot
+        # be recorded would otherwise crowd out the origin's other tenants): a failure's slot
+        # frees here, any other outcome's freed when its request ended.
         self._on_recorded([m] if batch[0].action == "retry" else [], [])
         self._log.error("outcome.unrecorded", message_id=m.id, idempotency_key=m.idempotency_key, attempt=m.attempt,
                         outcome=batch[0].outcome, error=type(refused).__name__,
@@ -289,7 +272,6 @@ class Completer:
             settled = await self._settle_proofs(conn, batch, plans, applied)
             await self._observe(conn, batch, plans, applied, now)
         settled.count(self._metrics)
-        self._unrecorded.difference_update(o.message.id for o in batch)
         self._on_recorded([o.message for o in batch if o.action == "retry"],
                           [key for key, _, after in transitions if after == "open"])
         self._after_commit(batch, plans, applied, transitions, now)

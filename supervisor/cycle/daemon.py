@@ -113,8 +113,7 @@ class Daemon:
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=self._attempt(),
                                submit=self.completer.submit, outage=self.outage,
-                               backlog=lambda: self.completer.backlog,
-                               unrecorded=lambda: self.completer.unrecorded_ids)
+                               backlog=lambda: self.completer.backlog)
         self.resealer = Resealer(self.engine, settings, reader_id=self.daemon_id, outage=self.outage,
                                  metrics=self.metrics)
         self.health = HealthServer(self.metrics, self._problem, self.keys.documents(),
