@@ -98,6 +98,8 @@ def test_migration_adds_the_failures_and_the_slowest_answer(database: str, reque
     with engine.begin() as conn:
         conn.execute(old_insert, {"minute": 1})
     upgrade(engine)
+    assert "outbox_endpoint_stats_endpoint_idx" in {i["name"] for i in inspect(engine).get_indexes(
+        "outbox_endpoint_stats")}
     with engine.begin() as conn:
         conn.execute(old_insert, {"minute": 2})  # a daemon of the previous release, after the upgrade
         rows = conn.execute(select(endpoint_stats.c.minute, endpoint_stats.c.attempts, endpoint_stats.c.failures,
@@ -106,5 +108,7 @@ def test_migration_adds_the_failures_and_the_slowest_answer(database: str, reque
     with engine.begin() as conn:
         command.downgrade(alembic_config(conn), "0015_response_excerpt")
     columns = {c["name"] for c in inspect(engine).get_columns("outbox_endpoint_stats")}
+    indexes = {i["name"] for i in inspect(engine).get_indexes("outbox_endpoint_stats")}
     assert "attempts" in columns and not columns & {"failures", "latency_ms_max"}
+    assert "outbox_endpoint_stats_endpoint_idx" not in indexes
     engine.dispose()
