@@ -10,7 +10,7 @@ from alembic import command
 from sqlalchemy import func, inspect, select, text
 
 import outbox
-from outbox.db import make_async_engine, make_engine
+from outbox.db import make_async_engine
 from outbox.migrate import alembic_config, upgrade
 from outbox.schema import attempts, endpoint_stats, messages
 from outbox.store import db_now
@@ -88,10 +88,8 @@ async def test_the_charts_and_rates_equal_the_attempt_rows_after_a_daemon_run(en
         await aengine.dispose()
 
 
-@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
-def test_migration_adds_the_failures_and_the_slowest_answer(database: str, request, tmp_path) -> None:
-    url = request.getfixturevalue("fresh_db") if database == "postgresql" else f"sqlite:///{tmp_path / 'm.db'}"
-    engine = make_engine(url)
+def test_migration_adds_the_failures_and_the_slowest_answer(blank_engine) -> None:
+    engine = blank_engine
     upgrade(engine, "0015_response_excerpt")
     old_insert = text("INSERT INTO outbox_endpoint_stats (minute, tenant_id, origin, daemon_id, attempts, successes)"
                       " VALUES (:minute, 't1', 'https://b.example', 'old', 3, 1)")
@@ -111,4 +109,3 @@ def test_migration_adds_the_failures_and_the_slowest_answer(database: str, reque
     indexes = {i["name"] for i in inspect(engine).get_indexes("outbox_endpoint_stats")}
     assert "attempts" in columns and not columns & {"failures", "latency_ms_max"}
     assert "outbox_endpoint_stats_endpoint_idx" not in indexes
-    engine.dispose()
