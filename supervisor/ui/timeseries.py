@@ -145,6 +145,7 @@ class Totals:
     seconds: float  # the span counted: the whole minutes asked for, and the current one so far
 
     def per_minute(self, count: int) -> float:
+        """``count`` as a rate over the span counted (not the span asked for: it can be longer)."""
         return count * 60 / self.seconds
 
 
