@@ -3,8 +3,9 @@
 The queries the console's charts and rates are built from. They read ``outbox_endpoint_stats``
 (per minute, endpoint and daemon: what the completer recorded in the flush that wrote the
 attempt rows, :mod:`supervisor.observe.health_stats`), never ``outbox_attempts``: a chart costs
-endpoints × minutes in its window, whatever the traffic, and a window is an index range of the
-rollup's primary key (which starts with the minute). docs/console.md "The charts".
+endpoints × minutes in its window, whatever the traffic: everyone's window is a range of the
+rollup's primary key (which starts with the minute), a tenant's or an endpoint's a range of
+its index by tenant, origin and minute. docs/console.md "The charts".
 
 What is counted is :class:`supervisor.observe.health_stats.Recorded`'s definition: delivered =
 ``success``; failed = ``failed``, ``timeout``, ``connection_error`` (not the daemon's own
@@ -21,7 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import ColumnElement
 
 from outbox.schema import attempts, endpoint_stats
-from supervisor.observe.health_stats import FAILED, HISTOGRAM
+from supervisor.observe.health_stats import HISTOGRAM
+
 
 @dataclass(frozen=True)
 class Window:
