@@ -340,7 +340,13 @@ endpoint_stats = Table(
     Column("deaths", Integer, nullable=False, server_default="0"),  # messages that ended dead
     Column("latency_ms_sum", BigInteger, nullable=False, server_default="0"),
     *(Column(f"le_{i}", Integer, nullable=False, server_default="0") for i in range(len(LATENCY_BOUNDS_MS) + 1)),
+    # Attempts answered non-2xx, timed out or refused (not the daemon's own abandoned ones), and
+    # the slowest answer: what the console's charts draw (migration 0016; 0 from older daemons).
+    Column("failures", Integer, nullable=False, server_default="0"),
+    Column("latency_ms_max", Integer, nullable=False, server_default="0"),
     PrimaryKeyConstraint("minute", "tenant_id", "origin", "daemon_id", name="outbox_endpoint_stats_pkey"),
+    # A tenant's or an endpoint's minutes (its console charts), without reading every endpoint's.
+    Index("outbox_endpoint_stats_endpoint_idx", "tenant_id", "origin", "minute"),
 )
 
 # Operator events (supervisor/observe/events.py): one row per state change, its unique key chosen so

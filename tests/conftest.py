@@ -113,6 +113,15 @@ def engine(request: pytest.FixtureRequest) -> Engine:
     return request.getfixturevalue("pg_engine" if request.param == "postgresql" else "sqlite_engine")
 
 
+@pytest.fixture(params=["postgresql", "sqlite"])
+def blank_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """An empty database of either kind, for a migration test to upgrade revision by revision."""
+    url = request.getfixturevalue("fresh_db") if request.param == "postgresql" else f"sqlite:///{tmp_path / 'm.db'}"
+    engine = make_engine(url)
+    yield engine
+    engine.dispose()
+
+
 @pytest.fixture
 def settings() -> Settings:
     """Settings for producer tests: loopback allowed, http allowed, a throwaway encryption key."""

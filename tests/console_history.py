@@ -1,5 +1,7 @@
 """A known history for the console's tests: messages to three endpoints of two tenants, their
 attempts spread over two days, an open breaker and a keyring, all written to a real database.
+The endpoint-health rollup the charts read is added from the same attempts as the completer
+adds it (``health_stats.Recorded.of``, ``tally`` and the real upsert), minute by minute.
 
 What the console must show is then computed back from these rows in plain Python (never by
 the console's own queries).
@@ -7,7 +9,9 @@ the console's own queries).
 
 from __future__ import annotations
 
+import json
 import random
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import outbox
 from outbox.config import load_settings
 from outbox.schema import attempts, breakers, db_now, messages
 from supervisor.keys import keyring
+from supervisor.observe import health_stats
 from supervisor.wire.signing import generate_signing_key_pem, load_signing_key
 from tests.test_e2e import SETTINGS
 
@@ -72,7 +77,8 @@ def seed(engine: Engine, directory: Path, *, per_endpoint: int = 40, rng_seed: i
                                  "response_time_ms": None if outcome == "connection_error" else rng.randint(8, 900),
                                  "will_retry": not last, "idempotency_key": key, "trigger": "scheduled",
                                  "daemon_id": DAEMONS[(e + number) % len(DAEMONS)],
-                                 "occurred_at": at})
+                                 "occurred_at": at, "origin": origin,
+                                 "died": last and n % 9 != 0 and outcome != "success"})
                 if not times or n % 9 == 0:  # never attempted, or due again: the backlog
                     pending += 1
                     conn.execute(update(messages).where(messages.c.id == message_id).values(
@@ -84,7 +90,8 @@ def seed(engine: Engine, directory: Path, *, per_endpoint: int = 40, rng_seed: i
                     state="dead" if dead else "delivered", dead_reason="gone" if dead else None,
                     attempts=len(times), first_attempt_at=times[0], finished_at=times[-1], created_at=times[0] - 2,
                     last_status=final["http_status"], last_error=final["error"]))
-        conn.execute(insert(attempts), rows)
+        conn.execute(insert(attempts), [{k: v for k, v in r.items() if k not in ("origin", "died")} for r in rows])
+        _rollup(conn, rows)
         featured = _featured(conn, now)
         conn.execute(insert(breakers).values(tenant_id=OPEN_ENDPOINT[0], origin=OPEN_ENDPOINT[1], state="open",
                                              failures=7, trips=2, open_until=now + 95, window_attempts=12,
@@ -105,16 +112,30 @@ def _featured(conn, now: float) -> int:
     message_id = conn.execute(select(messages.c.id).where(messages.c.idempotency_key == key)).scalar_one()
     trail = ((503, "failed", "HTTP 503", 180), (503, "failed", "HTTP 503", 150), (None, "timeout", "read timed out", 10000),
              (200, "success", None, 95))
-    for number, (status, outcome, error, ms) in enumerate(trail, 1):
-        conn.execute(insert(attempts).values(
-            message_id=message_id, tenant_id="acme", url=f"{ENDPOINTS[0][1]}/hooks/featured", attempt_number=number,
-            outcome=outcome, http_status=status, error=error, response_time_ms=ms, will_retry=number < 4,
-            idempotency_key=key, trigger="scheduled", occurred_at=now - 3000 + 600 * number))
+    rows = [{"message_id": message_id, "tenant_id": "acme", "url": f"{ENDPOINTS[0][1]}/hooks/featured",
+             "attempt_number": number, "outcome": outcome, "http_status": status, "error": error,
+             "response_time_ms": ms, "will_retry": number < 4, "idempotency_key": key, "trigger": "scheduled",
+             "daemon_id": DAEMONS[0], "occurred_at": now - 3000 + 600 * number}
+            for number, (status, outcome, error, ms) in enumerate(trail, 1)]
+    conn.execute(insert(attempts), rows)
+    _rollup(conn, [r | {"origin": ENDPOINTS[0][1], "died": False} for r in rows])
     conn.execute(update(messages).where(messages.c.id == message_id).values(
         state="delivered", attempts=4, created_at=now - 2405, first_attempt_at=now - 2400, next_attempt_at=now - 600,
         retry_until=now - 2405 + 86400,
         finished_at=now - 600, last_status=200))
     return int(message_id)
+
+
+def _rollup(conn, rows: list[dict]) -> None:
+    """What the completer would have added to the rollup for these attempt rows, each in its
+    own minute and daemon's row."""
+    flushes: dict[tuple[int, str], list[health_stats.Recorded]] = defaultdict(list)
+    for r in rows:
+        flushes[(int(r["occurred_at"] // 60), r["daemon_id"])].append(health_stats.Recorded.of(
+            r["tenant_id"], r["origin"], r["outcome"], r["response_time_ms"], r["died"]))
+    for (minute, daemon), recorded in flushes.items():
+        tallied = health_stats.tally(recorded, now=minute * 60.0, daemon_id=daemon)
+        conn.execute(health_stats.upsert(conn.dialect.name), {"rows": json.dumps(tallied)})
 
 
 def _keyring(conn, directory: Path) -> None:
@@ -141,6 +162,7 @@ class Tally:
     delivered: int
     failed: int
     latency_avg_ms: float | None
+    latency_max_ms: int | None
     daemons: int
 
 
@@ -158,5 +180,5 @@ def tally(rows: list, start: float, end: float, tenant: str | None = None, origi
     failed = sum(r.outcome in ("failed", "timeout", "connection_error") for r in chosen)
     times = [r.response_time_ms for r in chosen if r.response_time_ms is not None
              and r.outcome in ("success", "failed", "timeout", "connection_error")]
-    return Tally(delivered, failed, sum(times) / len(times) if times else None,
+    return Tally(delivered, failed, sum(times) / len(times) if times else None, max(times, default=None),
                  len({r.daemon_id for r in chosen if r.daemon_id is not None}))

@@ -40,7 +40,7 @@ def test_a_quantile_lies_in_the_bucket_of_the_true_one(latencies, q):
 
 
 def _recorded(tenant: str, origin: str, n: int, *, ok: bool, ms: int, died: bool = False) -> list[Recorded]:
-    return [Recorded(tenant, origin, True, ok, ms, died) for _ in range(n)]
+    return [Recorded.of(tenant, origin, "success" if ok else "failed", ms, died) for _ in range(n)]
 
 
 async def test_rows_add_up_per_minute_and_daemon_and_the_window_sums_them(engine):
@@ -56,6 +56,12 @@ async def test_rows_add_up_per_minute_and_daemon_and_the_window_sums_them(engine
                     _recorded(*a, 3, ok=True, ms=40) + _recorded(*a, 1, ok=False, ms=900, died=True)
                     + _recorded(*b, 2, ok=False, ms=20), now=now, daemon_id=daemon))
             await health_stats.record(conn, tally(_recorded(*a, 5, ok=True, ms=40), now=now, daemon_id="d1"))
+            # a timeout counts as a failure and raises the slowest answer; an abandoned attempt neither
+            await health_stats.record(conn, tally([Recorded.of(*b, "timeout", 1500, False),
+                                                   Recorded.of(*b, "abandoned", 3000, False)], now=now, daemon_id="d2"))
+            s = endpoint_stats.c
+            current = {(r.origin, r.daemon_id): (r.failures, r.latency_ms_max) for r in await conn.execute(
+                select(s.origin, s.daemon_id, s.failures, s.latency_ms_max).where(s.minute == int(now // 60)))}
             # ten minutes ago: inside an hour's window, outside a five-minute one
             await health_stats.record(conn, tally(_recorded(*b, 4, ok=True, ms=5), now=now - 600, daemon_id="d1"))
             # two days ago: past the retention
@@ -70,7 +76,10 @@ async def test_rows_add_up_per_minute_and_daemon_and_the_window_sums_them(engine
         assert (hour[a].attempts, hour[a].successes, hour[a].deaths) == (13, 11, 2)
         assert hour[a].success_rate == pytest.approx(11 / 13)
         assert 25 <= hour[a].latency_p50_ms <= 50 and 500 <= hour[a].latency_p95_ms <= 1000
-        assert (hour[b].attempts, hour[b].successes, recent[b].attempts, recent[b].successes) == (8, 4, 4, 0)
+        assert (hour[b].attempts, hour[b].successes, recent[b].attempts, recent[b].successes) == (10, 4, 6, 0)
+        # The second flush's 40 ms did not lower the first's 900 ms; the timeout raised 20 to 1500.
+        assert current == {(a[1], "d1"): (1, 900), (a[1], "d2"): (1, 900), (b[1], "d1"): (2, 20),
+                           (b[1], "d2"): (3, 1500)}
         assert hour[a].breaker_state == "closed" and hour[a].as_dict()["breaker_open_until"] is None
         with pytest.raises(ValueError):
             async with async_engine.connect() as conn:

@@ -22,7 +22,6 @@ from hypothesis import given, settings as hsettings, strategies as st
 from sqlalchemy import inspect, select, text
 
 import outbox
-from outbox.db import make_engine
 from outbox.masking import EXCERPT_CHARS, REDACTED, response_excerpt
 from outbox.migrate import alembic_config, upgrade
 from outbox.schema import attempts
@@ -115,10 +114,8 @@ async def test_a_failed_answer_holds_only_its_first_bytes_and_the_connection_is_
     assert (ok.status, ok.body) == (200, f"ok {MARKER}".encode())  # a 2xx body is kept whole (proofs read it)
 
 
-@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
-def test_migration_adds_the_column_to_history_and_every_partition(database: str, request, tmp_path) -> None:
-    url = request.getfixturevalue("fresh_db") if database == "postgresql" else f"sqlite:///{tmp_path / 'm.db'}"
-    engine = make_engine(url)
+def test_migration_adds_the_column_to_history_and_every_partition(blank_engine) -> None:
+    engine = blank_engine
     upgrade(engine, "0014_due_endpoints")
     old_insert = text("INSERT INTO outbox_attempts (message_id, tenant_id, url, attempt_number, outcome, will_retry,"
                       " idempotency_key, trigger) VALUES (1, 't1', 'https://b.example/h', 1, 'failed', true, 'k', "
@@ -133,7 +130,7 @@ def test_migration_adds_the_column_to_history_and_every_partition(database: str,
                                               idempotency_key="k2", trigger="scheduled", response_excerpt="busy"))
         assert conn.execute(select(attempts.c.response_excerpt).order_by(attempts.c.id)).scalars().all() == \
             [None, None, "busy"]
-        if database == "postgresql":
+        if engine.dialect.name == "postgresql":
             missing = conn.execute(text(
                 "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
                 "WHERE i.inhparent = 'outbox_attempts'::regclass AND NOT EXISTS (SELECT 1 FROM pg_attribute a "
@@ -144,7 +141,6 @@ def test_migration_adds_the_column_to_history_and_every_partition(database: str,
     with engine.begin() as conn:
         command.downgrade(alembic_config(conn), "0014_due_endpoints")
     assert "response_excerpt" not in {c["name"] for c in inspect(engine).get_columns("outbox_attempts")}
-    engine.dispose()
 
 
 def test_a_daemon_records_the_masked_excerpt_and_only_the_operator_sees_it(pg_engine, pg_url, console, receiver,

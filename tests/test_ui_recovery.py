@@ -11,11 +11,11 @@ from html import unescape
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 
 from outbox.config import load_settings
 from outbox.db import make_async_engine
-from outbox.schema import jobs, messages
+from outbox.schema import endpoint_stats, jobs, messages
 from supervisor.observe import health_stats
 from supervisor.ui.forms import JOB_RATE_MAX, BadInput, job_number, job_rate, job_selection
 from tests.console_history import ENDPOINTS, OPEN_ENDPOINT, seed
@@ -45,6 +45,7 @@ async def record(engine, now: float) -> None:
     aengine = make_async_engine(engine.url.render_as_string(hide_password=False))
     try:
         async with aengine.begin() as conn:
+            await conn.execute(delete(endpoint_stats))  # only these counts: not the seeded history's
             await health_stats.record(conn, health_stats.tally(
                 [*(health_stats.Recorded(*OPEN_ENDPOINT, True, ok, ms, died) for ok, ms, died in RECORDED),
                  *(health_stats.Recorded(*ENDPOINTS[1], True, True, 20, False) for _ in range(3))],

@@ -294,8 +294,8 @@ class Completer:
         upsert per flush, and events only for messages that ended dead (docs/observability.md)."""
         recorded = [(o, c, r) for o, (c, r) in zip(batch, plans) if o.message.id in applied]
         await health_stats.record(conn, health_stats.tally(
-            (health_stats.Recorded(o.message.tenant_id, o.message.origin, r is not None, o.outcome == "success",
-                                   o.response_time_ms, c.state == "dead") for o, c, r in recorded if o.message.origin),
+            (health_stats.Recorded.of(o.message.tenant_id, o.message.origin, o.outcome if r is not None else None,
+                                      o.response_time_ms, c.state == "dead") for o, c, r in recorded if o.message.origin),
             now=now, daemon_id=self._daemon_id))
         await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason)
                                            for o, c, _ in recorded if c.state == "dead"],

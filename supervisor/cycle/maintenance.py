@@ -91,7 +91,7 @@ class Maintenance:
         settled = await challenge.settle(conn, [], [r.id for r in expired])
         now = await store.db_now(conn)
         await health_stats.record(conn, health_stats.tally(
-            (health_stats.Recorded(r.tenant_id, r.origin, False, False, None, True) for r in expired if r.origin),
+            (health_stats.Recorded.of(r.tenant_id, r.origin, None, None, True) for r in expired if r.origin),
             now=now, daemon_id=self._daemon_id))
         await events.messages_ended(conn, [(r.tenant_id, r.origin, "expired") for r in expired], now=now,
                                     window=self._settings.operator_events_window_seconds)

@@ -8,6 +8,9 @@ per endpoint, minute and daemon (a replica never waits on another's row). A wind
 health is the sum of its rows; latency quantiles come from a fixed histogram
 (:data:`outbox.schema.LATENCY_BOUNDS_MS`). See docs/observability.md.
 
+The console's charts and rates read the same rows (:mod:`supervisor.ui.timeseries`): each
+row also counts the failures the charts draw and keeps the minute's slowest answer.
+
 :func:`endpoint_health` is the read side, shared by ``outboxd endpoints``, the console and
 the optional Prometheus series (``EndpointHealth.as_dict`` is its JSON form).
 """
@@ -28,9 +31,17 @@ from outbox.activity import rfc3339
 
 BUCKETS = len(LATENCY_BOUNDS_MS) + 1
 HISTOGRAM = tuple(f"le_{i}" for i in range(BUCKETS))
-COUNTS = ("attempts", "successes", "deaths", "latency_ms_sum", *HISTOGRAM)
-# How long minutes are kept; also the longest window `outboxd endpoints` can show.
+COUNTS = ("attempts", "successes", "deaths", "failures", "latency_ms_sum", *HISTOGRAM)
+# The longest window `outboxd endpoints` can show.
 RETENTION_SECONDS = 86_400
+# How long minutes are kept: an hour beyond that, since the console's day chart starts at the
+# top of the hour a day before the current one ends.
+KEPT_SECONDS = RETENTION_SECONDS + 3600
+# Attempt outcomes that were the receiver's answer (or the lack of one): success, and the
+# failures. "abandoned" (interrupted at shutdown) is the daemon's own decision, counted in
+# ``attempts`` only. Only these carry a response time into the rollup.
+DELIVERED = "success"
+FAILED = ("failed", "timeout", "connection_error")
 PRUNE_LIMIT = 5_000  # rows deleted per maintenance pass
 
 
@@ -42,8 +53,18 @@ class Recorded:
     origin: str
     attempted: bool  # an attempt row was written
     succeeded: bool  # answered 2xx
-    latency_ms: int | None
+    latency_ms: int | None  # None unless the receiver answered (or timed out, or refused)
     died: bool  # the message ended dead
+    failed: bool = False  # an attempt that failed at the receiver (an outcome in FAILED)
+
+    @classmethod
+    def of(cls, tenant_id: str, origin: str, outcome: str | None, latency_ms: int | None,
+           died: bool) -> "Recorded":
+        """What an attempt of ``outcome`` counts (``None``: no attempt row was written): the
+        one place the rollup's, and so the console's, definitions are made."""
+        answered = outcome == DELIVERED or outcome in FAILED
+        return cls(tenant_id, origin, outcome is not None, outcome == DELIVERED,
+                   latency_ms if answered else None, died, outcome in FAILED)
 
 
 def bucket_of(latency_ms: int) -> int:
@@ -63,22 +84,28 @@ def tally(recorded: Iterable[Recorded], *, now: float, daemon_id: str) -> list[d
         row = rows.get((r.tenant_id, r.origin))
         if row is None:
             row = rows[(r.tenant_id, r.origin)] = {"minute": minute, "tenant_id": r.tenant_id, "origin": r.origin,
-                                                   "daemon_id": daemon_id, **dict.fromkeys(COUNTS, 0)}
+                                                   "daemon_id": daemon_id, **dict.fromkeys(COUNTS, 0),
+                                                   "latency_ms_max": 0}
         row["attempts"] += r.attempted
         row["successes"] += r.succeeded
         row["deaths"] += r.died
+        row["failures"] += r.failed
         if r.latency_ms is not None:
             row["latency_ms_sum"] += r.latency_ms
+            row["latency_ms_max"] = max(row["latency_ms_max"], r.latency_ms)
             row[HISTOGRAM[bucket_of(r.latency_ms)]] += 1
     return [rows[key] for key in sorted(rows)]
 
 
 def _upsert_sql(pg: bool) -> Any:
-    """Add rows to their minute's counts: one statement per flush, whatever its size."""
+    """Add rows to their minute's counts, keeping the slower of the two maxima: one statement
+    per flush, whatever its size."""
     kinds = {"tenant_id": "text", "origin": "text", "daemon_id": "text"}
-    columns = ["minute", *kinds, *COUNTS]
+    columns = ["minute", *kinds, *COUNTS, "latency_ms_max"]
     source = json_rows(pg, [(c, kinds.get(c, "int")) for c in columns])
-    added = ", ".join(f"{c} = outbox_endpoint_stats.{c} + excluded.{c}" for c in COUNTS)
+    greatest = "GREATEST" if pg else "MAX"  # SQLite's max() of two arguments is the scalar one
+    added = ", ".join([*(f"{c} = outbox_endpoint_stats.{c} + excluded.{c}" for c in COUNTS),
+                       f"latency_ms_max = {greatest}(outbox_endpoint_stats.latency_ms_max, excluded.latency_ms_max)"])
     listed = ", ".join(columns)
     # WHERE true: SQLite needs it to parse ON CONFLICT after INSERT ... SELECT.
     return text(f"INSERT INTO outbox_endpoint_stats ({listed}) SELECT {listed} FROM {source} WHERE true "
@@ -88,10 +115,15 @@ def _upsert_sql(pg: bool) -> Any:
 _UPSERT = {True: _upsert_sql(True), False: _upsert_sql(False)}  # kept: supervisor/cycle/pgdirect.py caches by identity
 
 
+def upsert(dialect: str) -> Any:
+    """The statement :func:`record` runs, bound as ``rows`` (the JSON of :func:`tally`'s rows)."""
+    return _UPSERT[dialect == "postgresql"]
+
+
 async def record(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
     """Add :func:`tally`'s rows to the rollup (in the caller's transaction)."""
     if rows:
-        await conn.execute(_UPSERT[conn.dialect.name == "postgresql"], {"rows": json.dumps(rows)})
+        await conn.execute(upsert(conn.dialect.name), {"rows": json.dumps(rows)})
 
 
 def _minute(conn: AsyncConnection, seconds_ago: int) -> Any:
@@ -102,8 +134,8 @@ def _minute(conn: AsyncConnection, seconds_ago: int) -> Any:
 
 
 async def prune(conn: AsyncConnection, *, limit: int = PRUNE_LIMIT) -> int:
-    """Delete one batch of minutes older than :data:`RETENTION_SECONDS`; how many rows went."""
-    oldest = _minute(conn, RETENTION_SECONDS)
+    """Delete one batch of minutes older than :data:`KEPT_SECONDS`; how many rows went."""
+    oldest = _minute(conn, KEPT_SECONDS)
     doomed = select(endpoint_stats.c.minute, endpoint_stats.c.tenant_id, endpoint_stats.c.origin,
                     endpoint_stats.c.daemon_id).where(endpoint_stats.c.minute < oldest).limit(limit)
     keys = [tuple(r) for r in await conn.execute(doomed)]

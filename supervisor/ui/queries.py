@@ -17,9 +17,10 @@ from outbox import store
 from outbox.schema import attempts, breakers, messages
 from supervisor.keys import keyring
 from supervisor.operator import ops
-from supervisor.ui.timeseries import FAILED, Scope, recent_totals
+from supervisor.observe.health_stats import FAILED
+from supervisor.ui.timeseries import Scope, recent_totals
 
-RATE_SECONDS = 300  # the health strip's rates: the last five minutes
+RATE_SECONDS = 300  # the health strip's rates: the last five whole minutes and the current one
 BACKLOG = ("pending", "in_flight")
 
 
@@ -46,7 +47,8 @@ async def health(conn: AsyncConnection, scope: Scope) -> Health:
                                              .where(messages.c.state == "pending"), scope))).scalar()
     backlog = (await conn.execute(_narrow(select(func.count()).select_from(messages)
                                           .where(messages.c.state.in_(BACKLOG)), scope))).scalar_one()
-    delivered, failed, daemons = await recent_totals(conn, RATE_SECONDS, scope, now)
+    recent = await recent_totals(conn, RATE_SECONDS, scope, now)
+    delivered, failed = recent.delivered, recent.failed
     open_breakers = (await conn.execute(_narrow(select(func.count()).select_from(breakers)
                                                 .where(breakers.c.state != "closed"), scope, breakers))).scalar_one()
     snapshot = await conn.run_sync(keyring.read_snapshot)
@@ -57,8 +59,8 @@ async def health(conn: AsyncConnection, scope: Scope) -> Health:
     keyless = sorted(keyring.scope_label(s) for s in snapshot.by_scope if _unsigned(snapshot, s))
     return Health(now=now, backlog=int(backlog),
                   oldest_due_seconds=None if oldest is None or oldest > now else now - float(oldest),
-                  delivered_per_minute=delivered * 60 / RATE_SECONDS,
-                  failure_ratio=failed / (delivered + failed) if delivered + failed else None, daemons=daemons,
+                  delivered_per_minute=recent.per_minute(delivered),
+                  failure_ratio=failed / (delivered + failed) if delivered + failed else None, daemons=recent.daemons,
                   open_breakers=int(open_breakers), keys=keys, keyless_scopes=keyless)
 
 

@@ -1,9 +1,15 @@
-"""Deliveries, failures and latency over a recent window, from the attempt history.
+"""Deliveries, failures and latency over a recent window, from the endpoint-health rollup.
 
-The one query the console's charts and rates are built from. Its cost is bounded by the
-window, not by the history: ``occurred_at`` is both the index ``outbox_attempts_occurred_idx``
-and, on PostgreSQL, the partition key (one partition per UTC day, outbox/partitions.py), so
-a day's chart reads at most two partitions and an hour's only the index range of that hour.
+The queries the console's charts and rates are built from. They read ``outbox_endpoint_stats``
+(per minute, endpoint and daemon: what the completer recorded in the flush that wrote the
+attempt rows, :mod:`supervisor.observe.health_stats`), never ``outbox_attempts``: a chart costs
+endpoints × minutes in its window, whatever the traffic: everyone's window is a range of the
+rollup's primary key (which starts with the minute), a tenant's or an endpoint's a range of
+its index by tenant, origin and minute. docs/console.md "The charts".
+
+What is counted is :class:`supervisor.observe.health_stats.Recorded`'s definition: delivered =
+``success``; failed = ``failed``, ``timeout``, ``connection_error`` (not the daemon's own
+``abandoned``); latency over those answered attempts that have a response time.
 """
 
 from __future__ import annotations
@@ -11,16 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Integer, Select, and_, case, cast, func, or_, select, true
+from sqlalchemy import Select, and_, case, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import ColumnElement
 
-from outbox.schema import attempts
-
-# Outcomes that were an answer (or the lack of one) from the receiver; "abandoned",
-# "circuit_open" and "expired" rows record the daemon's decisions, not the endpoint's health.
-DELIVERED = "success"
-FAILED = ("failed", "timeout", "connection_error")
+from outbox.schema import attempts, endpoint_stats
+from supervisor.observe.health_stats import HISTOGRAM
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Scope:
     origin: str | None = None  # scheme://authority; needs a tenant
 
     def condition(self) -> ColumnElement[bool]:
+        """The scope's attempt rows (for lists of attempts, not for counting them)."""
         conditions = []
         if self.tenant is not None:
             conditions.append(attempts.c.tenant_id == self.tenant)
@@ -55,6 +58,12 @@ class Scope:
             conditions.append(or_(attempts.c.url == self.origin,
                                   attempts.c.url.startswith(self.origin + "/", autoescape=True)))
         return and_(true(), *conditions)
+
+    def rollup(self) -> ColumnElement[bool]:
+        """The scope's rollup rows."""
+        s = endpoint_stats.c
+        return and_(true(), *([s.tenant_id == self.tenant] if self.tenant is not None else []),
+                    *([s.origin == self.origin] if self.origin is not None else []))
 
 
 @dataclass(frozen=True)
@@ -88,52 +97,71 @@ class Series:
         return sum(b.failed for b in self.buckets)
 
 
-def _floor(dialect: str, value: ColumnElement[float]) -> ColumnElement[int]:
-    """The whole part of a non-negative number (SQLite has no ``floor`` without its math extension)."""
-    return func.floor(value) if dialect == "postgresql" else cast(value, Integer)
-
-
 def bounds(window: Window, now: float) -> tuple[float, float]:
     """Where ``window`` starts and ends: whole buckets, the last one holding ``now``."""
     end = (now // window.bucket + 1) * window.bucket
     return end - window.seconds, end
 
 
-def series_query(dialect: str, window: Window, scope: Scope, now: float) -> Select[Any]:
-    """Per bucket index: deliveries, failures, average and slowest answer, over ``bounds``.
+def _timed() -> ColumnElement[int]:
+    """A rollup row's attempts with a response time (its histogram's total)."""
+    total: Any = getattr(endpoint_stats.c, HISTOGRAM[0])
+    for column in HISTOGRAM[1:]:
+        total = total + getattr(endpoint_stats.c, column)
+    return total
 
-    Bounded by ``occurred_at`` on both sides, so PostgreSQL prunes to the window's partitions."""
+
+def series_query(window: Window, scope: Scope, now: float) -> Select[Any]:
+    """Per bucket index: deliveries, failures, latency total, timed attempts and the slowest
+    answer, over ``bounds``' minutes (a bucket is a whole number of minutes)."""
     start, end = bounds(window, now)
-    index = _floor(dialect, (attempts.c.occurred_at - start) / float(window.bucket)).label("i")
-    answered = attempts.c.outcome.in_((DELIVERED, *FAILED))
-    latency = case((answered, attempts.c.response_time_ms))
-    return (select(index,
-                   func.sum(case((attempts.c.outcome == DELIVERED, 1), else_=0)),
-                   func.sum(case((attempts.c.outcome.in_(FAILED), 1), else_=0)),
-                   func.avg(latency), func.max(latency))
-            .where(attempts.c.occurred_at >= start, attempts.c.occurred_at < end, scope.condition())
+    s = endpoint_stats.c
+    first = int(start // 60)
+    index = ((s.minute - first) // (window.bucket // 60)).label("i")
+    return (select(index, func.sum(s.successes), func.sum(s.failures), func.sum(s.latency_ms_sum),
+                   func.sum(_timed()), func.max(s.latency_ms_max))
+            .where(s.minute >= first, s.minute < int(end // 60), scope.rollup())
             .group_by(index))
 
 
 async def series(conn: AsyncConnection, window: Window, scope: Scope, now: float) -> Series:
     """``window``'s buckets ending with the one holding ``now`` (the database's time)."""
     start, _ = bounds(window, now)
-    rows = await conn.execute(series_query(conn.dialect.name, window, scope, now))
-    found = {int(i): (int(ok or 0), int(bad or 0), avg, peak) for i, ok, bad, avg, peak in rows}
+    found = {int(i): (int(ok or 0), int(bad or 0), int(total or 0), int(timed or 0), int(peak or 0))
+             for i, ok, bad, total, timed, peak in await conn.execute(series_query(window, scope, now))}
     buckets = []
     for i in range(window.buckets):
-        ok, bad, avg, peak = found.get(i, (0, 0, None, None))
-        buckets.append(Bucket(start + i * window.bucket, ok, bad, None if avg is None else float(avg),
-                              None if peak is None else int(peak)))
+        ok, bad, total, timed, peak = found.get(i, (0, 0, 0, 0, 0))
+        buckets.append(Bucket(start + i * window.bucket, ok, bad, total / timed if timed else None,
+                              peak if timed else None))
     return Series(window, tuple(buckets))
 
 
-async def recent_totals(conn: AsyncConnection, seconds: float, scope: Scope, now: float) -> tuple[int, int, int]:
-    """Deliveries, failures and the daemons that recorded them in the last ``seconds``
-    (the health strip's rates, and whether any replica is delivering at all)."""
-    query = (select(func.sum(case((attempts.c.outcome == DELIVERED, 1), else_=0)),
-                    func.sum(case((attempts.c.outcome.in_(FAILED), 1), else_=0)),
-                    func.count(attempts.c.daemon_id.distinct()))
-             .where(attempts.c.occurred_at >= now - seconds, attempts.c.occurred_at <= now, scope.condition()))
+@dataclass(frozen=True)
+class Totals:
+    """What the rollup holds for the last minutes: the health strip's rates."""
+
+    delivered: int
+    failed: int
+    daemons: int  # distinct daemons that recorded an attempt
+    seconds: float  # the span counted: the whole minutes asked for, and the current one so far
+
+    def per_minute(self, count: int) -> float:
+        """``count`` as a rate over the span counted (not the span asked for: it can be longer)."""
+        return count * 60 / self.seconds
+
+
+async def recent_totals(conn: AsyncConnection, seconds: int, scope: Scope, now: float) -> Totals:
+    """Deliveries, failures and the daemons that recorded them over the last ``seconds``
+    (the health strip's rates, and whether any replica is delivering at all).
+
+    The rollup counts whole minutes, so the span is the ``seconds // 60`` minutes before the
+    current one plus the current one so far: every attempt of the last ``seconds`` is counted,
+    with up to a minute more, and a rate divides by the span actually counted."""
+    s = endpoint_stats.c
+    current = int(now // 60)
+    query = (select(func.sum(s.successes), func.sum(s.failures),
+                    func.count(case((s.attempts > 0, s.daemon_id)).distinct()))
+             .where(s.minute >= current - seconds // 60, s.minute <= current, scope.rollup()))
     ok, bad, daemons = (await conn.execute(query)).one()
-    return int(ok or 0), int(bad or 0), int(daemons or 0)
+    return Totals(int(ok or 0), int(bad or 0), int(daemons or 0), seconds // 60 * 60 + now % 60)
