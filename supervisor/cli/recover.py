@@ -8,18 +8,15 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS
-from supervisor.operator.jobs import DEFAULT_RATE, Selection
+from supervisor.operator.jobs import DEFAULT_RATE, Selection, parse_rate
 from supervisor.cli.common import Subcommands, UserError, parse_time, positive_int, print_json, run_async, table
 
 
 def _positive_rate(text: str) -> float:
     try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < rate <= 100_000:
-        raise argparse.ArgumentTypeError("must be above 0 and at most 100000 messages per second")
-    return rate
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _print_job(job: dict[str, Any]) -> None:

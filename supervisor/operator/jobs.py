@@ -42,6 +42,20 @@ if TYPE_CHECKING:  # the daemon's cycle runs jobs; the guard is its, named here 
 
 CHUNK = 200  # messages per transaction at most (fewer when the rate is lower)
 DEFAULT_RATE = 50  # messages per second: well below what live traffic to one endpoint takes
+MAX_RATE = 100_000
+
+
+def parse_rate(value: str) -> float:
+    """A job's rate limit as typed (``outboxd recover start --rate``, the console's form):
+    messages a second, above 0 and at most :data:`MAX_RATE`; fractions too (0.5 is one
+    message every two seconds). Raises ``ValueError`` with a sentence the user can act on."""
+    try:
+        rate = float(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{str(value)[:40]!r} is not a number") from None
+    if not 0 < rate <= MAX_RATE:  # NaN fails this too
+        raise ValueError(f"must be above 0 and at most {MAX_RATE:,} messages a second")
+    return rate
 LEASE_SECONDS = 10.0  # a job stays with its daemon while it renews this; a dead daemon's job moves on after it
 IDLE_SECONDS = 1.0
 # State changes an operator may ask for, and the states they apply to.

@@ -17,7 +17,7 @@ from supervisor.ui.present import label
 FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
 REPLAY_LIMIT_MAX = 10_000
 REPLAY_LIMIT_DEFAULT = 1000
-JOB_RATE_MAX = 100_000  # as `outboxd recover start --rate`
+JOB_RATE_MAX = jobs.MAX_RATE  # as `outboxd recover start --rate`
 JOB_RATE_DEFAULT = jobs.DEFAULT_RATE
 # The endpoint health windows the console offers (the rollup keeps a day: supervisor/observe/health_stats.py).
 HEALTH_WINDOWS = {"15m": 900, "1h": 3600, "24h": 86_400}
@@ -94,9 +94,15 @@ def job_selection(params: Any) -> jobs.Selection:
                           _choice(values["reason"], DEAD_REASONS, "Reason"))
 
 
-def job_rate(value: Any) -> int:
-    """How many messages a second a recovery job may replay at most ("at most … a second")."""
-    return JOB_RATE_DEFAULT if value in (None, "") else _whole_number(value, "messages a second", 1, JOB_RATE_MAX)
+def job_rate(value: Any) -> float:
+    """How many messages a second a recovery job may handle at most ("at most … a second"),
+    read as ``outboxd recover start --rate`` reads it."""
+    if value in (None, ""):
+        return float(JOB_RATE_DEFAULT)
+    try:
+        return jobs.parse_rate(value)
+    except ValueError as exc:
+        raise BadInput(f"“messages a second” {exc}.") from None
 
 
 def job_number(value: str) -> int | None:
