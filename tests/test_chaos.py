@@ -193,7 +193,7 @@ async def test_claimer_claims_again_for_freed_slots_only_when_work_was_left_behi
 
     metrics = Metrics()
     claimer = Claimer(engine, settings=settings, daemon_id="unit", metrics=metrics, attempt=quick, submit=submit,
-                      outage=OutageGuard(5), unrecorded=lambda: list(done))
+                      outage=OutageGuard(5))
     claims = lambda: metrics.claim_batch.collect()[0].samples  # noqa: E731
     count = lambda: next(s.value for s in claims() if s.name.endswith("_count"))  # noqa: E731
     enqueue_batch(sync, [("t0", "https://buyer.example.com/hook", message_key("few", i)) for i in range(3)])
