@@ -17,6 +17,9 @@ NOISY_SHARE = 0.15  # above this share of the box taken by others, a phase's fig
 CASES = {"throughput_one_origin": "one origin, 10 tenants", "throughput_shared_origin": "shared origin",
          "throughput_many_origins": "many origins", "throughput_two_daemons": "two daemons, one origin"}
 MIN_RATIO, MAX_CPU_MS, MIN_TAIL = 0.8, 0.9, 0.8
+# One origin: daemon + PostgreSQL CPU per delivery against the best bare loop's CPU per request,
+# and deliveries/s against a C client (wrk) at the same concurrency on the same receiver.
+MAX_CPU_TO_BARE, MIN_RATIO_TO_WRK = 0.5, 0.3
 
 
 def machine_info(engine: Any) -> dict[str, Any]:
@@ -68,6 +71,10 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         out[f"{name}_ratio_to_bare"] = round(r["deliveries_per_s"] / bare["requests_per_s"], 3)
         out[f"{name}_tail_ratio"] = r["tail_ratio"]
         out[f"{name}_duplicates"] = r["duplicates"]
+    one = ph["throughput_one_origin"]
+    out["one_origin_total_cpu_ratio_to_bare"] = round(
+        (out["one_origin_cpu_ms_per_delivery"] + one["postgres_cpu_s_per_1000"])
+        / max(bare["cpu_s_per_1000"], 1e-6), 3)
     out["ratio_two_daemons_to_one"] = round(ph["throughput_two_daemons"]["deliveries_per_s"]
                                             / ph["throughput_one_origin"]["deliveries_per_s"], 3)
     healthy, iso, scale, rss = ph["latency_healthy"], ph["latency_isolation"], ph["scale"], ph["rss_10k_due"]
@@ -127,6 +134,12 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
          f"{ph['scale']['empty']['uses_due_idx']}/{ph['scale']['scaled']['uses_due_idx']}", "True/True",
          ph["scale"]["empty"]["uses_due_idx"] and ph["scale"]["scaled"]["uses_due_idx"]),
         ("daemon RSS <= 200 MB with 10,000 due", f["rss_mb_10k_due"], "<= 200 MB", f["rss_mb_10k_due"] <= 200),
+        ("one origin: daemon + PostgreSQL CPU per delivery / the best bare loop's CPU per request",
+         f["one_origin_total_cpu_ratio_to_bare"], f"<= {MAX_CPU_TO_BARE}",
+         f["one_origin_total_cpu_ratio_to_bare"] <= MAX_CPU_TO_BARE),
+        *([(f"one origin: >= {MIN_RATIO_TO_WRK} x wrk (C client) at the same concurrency",
+            f["one_origin_ratio_to_wrk"], f">= {MIN_RATIO_TO_WRK}", f["one_origin_ratio_to_wrk"] >= MIN_RATIO_TO_WRK)]
+          if "one_origin_ratio_to_wrk" in f else []),
         *endpoint_targets(f, ph["endpoints"]),
         *enqueue_targets(f),
     ]

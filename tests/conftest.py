@@ -61,6 +61,11 @@ def fresh_db(pg_server_url: str) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``session_end`` go last: what they wait for ran meanwhile."""
+    items.sort(key=lambda item: item.get_closest_marker("session_end") is not None)  # stable
+
+
 @pytest.fixture(scope="session")
 def ts_sdk_version() -> str:
     """The pinned TypeScript ``@adcp/sdk``, installed by ``npm ci`` if missing (tests/ts_sdk.py)."""

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,11 @@ BOOT_SECONDS = 600  # a bound: the SDK import and MCP schema build take ~40 s of
 HORIZON = 172_800  # not the default, so an advertised 86400 could not pass by accident
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The seller and the daemon, sharing one SQLite database and one signing key; booted
-    once for the module (the SDK's start-up is most of each test), so each test reads only
-    the rows of its own buyer."""
+    once (the SDK's start-up is most of each test), so each test reads only the rows of its
+    own buyer. Session-scoped: the storyboard below runs against it while other tests go on."""
     tmp_path = tmp_path_factory.mktemp("stack")
     key, _ = procs.make_key(tmp_path)
     database_url = f"sqlite:///{tmp_path / 'seller.db'}"
@@ -216,14 +217,29 @@ WEBHOOK_EMISSION_STEPS = [
 ]
 
 
-def test_typescript_sdk_webhook_emission_storyboard(stack: dict[str, Any], ts_sdk_version: str) -> None:
-    """The TypeScript SDK's conformance runner (AdCP 3.0.6) against the example seller and
-    ``outboxd run``: every step of ``webhook_emission`` passes, the signature step included.
-
-    The runner waits out its 90 s retry window whatever arrives, so this test takes that long.
-    """
+@pytest.fixture(scope="session")
+def emission_storyboard(stack: dict[str, Any], ts_sdk_version: str) -> Iterator[Future[dict[str, Any]]]:
+    """The runner's ``webhook_emission`` storyboard, started in a thread: it waits out its 90 s
+    retry window whatever arrives, so it runs while the rest of the session goes on, and the
+    test that grades it (marked ``session_end``) runs last."""
     base = stack["base"]
-    result = ts_sdk.run_storyboard(f"{base}/mcp", f"{base}/outboxd/jwks.json", "webhook_emission")
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(ts_sdk.run_storyboard, f"{base}/mcp", f"{base}/outboxd/jwks.json", "webhook_emission")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _storyboard_starts_first(request: pytest.FixtureRequest) -> None:
+    if any(item.get_closest_marker("session_end") and item.module is request.module
+           for item in request.session.items):
+        request.getfixturevalue("emission_storyboard")
+
+
+@pytest.mark.session_end
+def test_typescript_sdk_webhook_emission_storyboard(stack: dict[str, Any],
+                                                    emission_storyboard: Future[dict[str, Any]]) -> None:
+    """The TypeScript SDK's conformance runner (AdCP 3.0.6) against the example seller and
+    ``outboxd run``: every step of ``webhook_emission`` passes, the signature step included."""
+    result = emission_storyboard.result(timeout=ts_sdk.STORYBOARD_SECONDS)
     grades = ts_sdk.step_grades(result)
     assert list(grades) == WEBHOOK_EMISSION_STEPS and set(grades.values()) == {"passed"}, \
         (grades, (stack["tmp"] / "daemon.log").read_text()[-3000:])

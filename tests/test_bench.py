@@ -60,7 +60,7 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
                  "claim_buffers_10_endpoints", "claim_buffers_200_endpoints", "endpoints_claim_buffers_ratio",
                  "endpoints_few_deliveries_per_s", "endpoints_many_deliveries_per_s", "endpoints_rate_ratio",
                  "enqueue_task_webhook_added_p50_ms", "enqueue_delivery_report_added_p50_ms",
-                 "enqueue_event_added_p50_ms",
+                 "enqueue_event_added_p50_ms", "one_origin_total_cpu_ratio_to_bare",
                  "recovery_p99_ms_without_job", "recovery_p99_ms_with_job", "recovery_p99_ratio"}
     figures = report["figures"]
     assert expected <= figures.keys()
@@ -79,6 +79,9 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
     assert list(phases["endpoints"]["claims"]) == ["10", "20", "200"]
     wrk = phases["wrk"]  # the C-client baseline, or why it did not run
     assert (wrk["requests_per_s"] > 0 and wrk["non_2xx"] == 0) if wrk["available"] else "not installed" in wrk["reason"]
+    judged = {t["target"] for t in report["targets"]}
+    assert any("daemon + PostgreSQL CPU" in t for t in judged)
+    assert any("x wrk" in t for t in judged) == wrk["available"]
     assert phases["endpoints"]["drain_many"]["endpoints_delivered_to"] > 10  # the backlog really spans them
     assert isinstance(phases["scale"]["empty"]["uses_due_idx"], bool)
     assert report["receiver"]["verifies_signatures"] is False

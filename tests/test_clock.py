@@ -22,7 +22,7 @@ import pytest
 from adcp.signing import StaticJwksResolver
 from adcp.signing.webhook_verifier import WebhookVerifyOptions, verify_webhook_signature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 import outbox
@@ -156,6 +156,9 @@ def test_daemon_signs_with_database_time_and_refuses_a_clock_too_far_off(skewed_
         with engine.begin() as conn:
             outbox.enqueue(conn, tenant_id="t", url=f"http://127.0.0.1:{port}/ok", settings=settings,
                            payload={"idempotency_key": "whk_clock_e2e_0001", "task_id": "task_1"})
+            # The column default calls pg_catalog.now(), not the skewed one: make the message
+            # due by the database time the daemon reads, as on a server with one clock.
+            conn.execute(text("UPDATE outbox_messages SET next_attempt_at = next_attempt_at - 30"))
         daemon = procs.start_daemon(procs.daemon_env(url, pem), tmp_path / "daemon.log")
         try:
             assert procs.wait_until(lambda: procs.arrivals(log), 120), (tmp_path / "daemon.log").read_text()

@@ -63,7 +63,11 @@ def verify(jwks: Mapping[str, Any], requests: Iterable[Captured]) -> list[dict[s
     return list(_call("verify", {"jwks": jwks, "requests": batch}, timeout=120))
 
 
-def run_storyboard(agent_url: str, jwks_url: str, storyboard: str, timeout: float = 600) -> dict[str, Any]:
+STORYBOARD_SECONDS = 600  # a bound on one storyboard run (webhook_emission waits out a 90 s window)
+
+
+def run_storyboard(agent_url: str, jwks_url: str, storyboard: str,
+                   timeout: float = STORYBOARD_SECONDS) -> dict[str, Any]:
     """The SDK's ``runStoryboard`` result for ``storyboard`` of its compliance cache, run over MCP
     with its loopback webhook receiver and its webhook verifier fed from ``jwks_url``."""
     return dict(_call("storyboard", {"agent_url": agent_url, "jwks_url": jwks_url, "storyboard": storyboard},
