@@ -71,10 +71,9 @@ def figures(report: dict[str, Any]) -> dict[str, Any]:
         out[f"{name}_ratio_to_bare"] = round(r["deliveries_per_s"] / bare["requests_per_s"], 3)
         out[f"{name}_tail_ratio"] = r["tail_ratio"]
         out[f"{name}_duplicates"] = r["duplicates"]
-    one = ph["throughput_one_origin"]
     out["one_origin_total_cpu_ratio_to_bare"] = round(
-        (out["one_origin_cpu_ms_per_delivery"] + one["postgres_cpu_s_per_1000"])
-        / max(bare["cpu_s_per_1000"], 1e-6), 3)
+        (out["one_origin_cpu_ms_per_delivery"] + out["one_origin_postgres_cpu_ms_per_delivery"])
+        / max(out["bare_best_cpu_ms_per_request"], 1e-6), 3)
     out["ratio_two_daemons_to_one"] = round(ph["throughput_two_daemons"]["deliveries_per_s"]
                                             / ph["throughput_one_origin"]["deliveries_per_s"], 3)
     healthy, iso, scale, rss = ph["latency_healthy"], ph["latency_isolation"], ph["scale"], ph["rss_10k_due"]

@@ -36,6 +36,7 @@ from tests import procs
 KEY = SigningKey("clock-key", ALG_ED25519, Ed25519PrivateKey.generate())
 URL = "https://buyer.example/hooks"
 BODY = b'{"idempotency_key":"whk_clock_00000001"}'
+BEHIND = -30.0  # the end-to-end database clock's offset, within the daemon's tolerance
 
 
 def _async_url(engine: Engine) -> str:
@@ -146,7 +147,7 @@ def skewed_pg(pg_server_url: str) -> Iterator[tuple[str, Callable[[float], None]
 @pytest.mark.e2e
 def test_daemon_signs_with_database_time_and_refuses_a_clock_too_far_off(skewed_pg, tmp_path: Path) -> None:
     url, set_ahead = skewed_pg
-    set_ahead(-30)  # within tolerance: the daemon runs, and signs 30 s "behind" this host
+    set_ahead(BEHIND)  # within tolerance: the daemon runs, and signs 30 s "behind" this host
     pem, jwks = procs.make_key(tmp_path)
     engine = make_engine(url)
     settings = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
@@ -158,7 +159,7 @@ def test_daemon_signs_with_database_time_and_refuses_a_clock_too_far_off(skewed_
                            payload={"idempotency_key": "whk_clock_e2e_0001", "task_id": "task_1"})
             # The column default calls pg_catalog.now(), not the skewed one: make the message
             # due by the database time the daemon reads, as on a server with one clock.
-            conn.execute(text("UPDATE outbox_messages SET next_attempt_at = next_attempt_at - 30"))
+            conn.execute(text("UPDATE outbox_messages SET next_attempt_at = next_attempt_at + :s"), {"s": BEHIND})
         daemon = procs.start_daemon(procs.daemon_env(url, pem), tmp_path / "daemon.log")
         try:
             assert procs.wait_until(lambda: procs.arrivals(log), 120), (tmp_path / "daemon.log").read_text()
@@ -166,7 +167,7 @@ def test_daemon_signs_with_database_time_and_refuses_a_clock_too_far_off(skewed_
             assert procs.stop(daemon) == 0
         (arrival,) = procs.arrivals(log)
         created = _param({"Signature-Input": arrival["signature_input"]}, "created")
-        assert abs(created - (arrival["t"] - 30)) < 3, "signed with host time, not database time"
+        assert abs(created - (arrival["t"] + BEHIND)) < 3, "signed with host time, not database time"
         assert arrival["verified"]
     engine.dispose()
 
