@@ -281,6 +281,14 @@ def validate_destination(
     """
     if not isinstance(url, str) or not url:
         raise OutboxValidationError("url", "must be a non-empty string")
+    return _validated(url, allow_http, tuple(allowed_cidrs))
+
+
+@functools.lru_cache(maxsize=4096)
+def _validated(url: str, allow_http: bool, allowed_cidrs: tuple[Network, ...]) -> str:
+    """:func:`validate_destination` of a string, remembered per (URL, policy): a seller's
+    buyers register a handful of URLs, and enqueue and every attempt check them again (a
+    rejection is an exception, never remembered)."""
     if len(url) > MAX_URL_LENGTH:
         raise OutboxValidationError("url", f"longer than {MAX_URL_LENGTH} characters")
     if _BAD_CHARS.search(url):

@@ -6,7 +6,7 @@ It carries the fields of the SDK record and of AdCP's ``webhook-activity-record`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 # docs/protocol.md "Attempt records" status values, plus what only a durable outbox can observe.
@@ -52,7 +52,7 @@ class DeliveryAttempt:
 
     def as_dict(self) -> dict[str, Any]:
         """The record's fields; the span ids only when there is a span (tracing on)."""
-        data = asdict(self)
+        data = dict(vars(self))  # every field is a scalar: a shallow copy is the whole record
         if self.trace_id is None:
             del data["trace_id"], data["span_id"]
         return data

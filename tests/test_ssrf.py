@@ -12,7 +12,8 @@ import pytest
 
 import outbox
 from outbox.store import Claimed
-from outbox.urls import blocked_reason
+from outbox.errors import OutboxValidationError
+from outbox.urls import blocked_reason, validate_destination
 from supervisor.cycle.attempt import attempt
 from outbox.db import make_async_engine
 from supervisor.keys.keyring_cache import CachedKeyring
@@ -59,6 +60,19 @@ def test_allowed_cidrs_open_a_private_network_but_never_metadata():
     assert blocked_reason(ipaddress.ip_address("169.254.169.254"), allowed) == "cloud metadata"
     assert blocked_reason(ipaddress.ip_address("fd00:ec2::254"), allowed) == "cloud metadata"
     assert blocked_reason(ipaddress.ip_address("192.168.1.1"), allowed) == "private"
+
+
+def test_a_url_checked_under_one_policy_is_judged_again_under_another():
+    """Checks are remembered per URL and policy: an address allowed once, or plain HTTP
+    allowed once, is refused when the same URL comes under a stricter policy, every time."""
+    allowed = [ipaddress.ip_network("10.0.0.0/8")]
+    for _ in range(2):
+        assert validate_destination("https://10.1.2.3/hook", allowed_cidrs=allowed) == "https://10.1.2.3/hook"
+        with pytest.raises(OutboxValidationError, match="private"):
+            validate_destination("https://10.1.2.3/hook")
+        assert validate_destination("http://buyer.example/hook", allow_http=True) == "http://buyer.example/hook"
+        with pytest.raises(OutboxValidationError, match="https"):
+            validate_destination("http://buyer.example/hook")
 
 
 async def _keyring(settings: outbox.Settings, database_url: str) -> CachedKeyring:
