@@ -117,20 +117,32 @@ def phase_throughput(bench: Bench, spread: Spread, receiver: ReceiverProc, *, da
     }
 
 
+# Whether anything is left to send, read through the partial indexes of pending and
+# in-flight rows (one entry each, ordered as the indexes are). Counting the finished rows
+# instead scans the table: 10 ms at 12,000 rows, every poll, on the CPU the daemon is
+# being measured on.
+_LIVE = ("SELECT EXISTS (SELECT 1 FROM (SELECT id FROM outbox_messages WHERE state = 'pending'"
+         " ORDER BY next_attempt_at, id LIMIT 1) AS p)"
+         " OR EXISTS (SELECT 1 FROM (SELECT id FROM outbox_messages WHERE state = 'in_flight'"
+         " ORDER BY lease_expires_at LIMIT 1) AS f)")
+
+
 def _wait_drained(bench: Bench, procs: Sequence[Proc], n: int) -> None:
+    """Until the phase's ``n`` messages (all the outbox holds) are delivered or dead."""
     from sqlalchemy import text
 
     deadline = time.monotonic() + bench.options.drain_timeout
     while True:
         with bench.engine.connect() as conn:
-            done = conn.execute(text("SELECT count(*) FROM outbox_messages "
-                                     "WHERE state IN ('delivered', 'dead')")).scalar_one()
-        if done >= n:
-            return
+            if not conn.execute(text(_LIVE)).scalar_one():
+                return
         for p in procs:
             if not p.alive():
                 raise PhaseError(f"{p.name} exited with {p.popen.returncode}: {p.log_tail()}")
         if time.monotonic() > deadline:
+            with bench.engine.connect() as conn:
+                done = conn.execute(text("SELECT count(*) FROM outbox_messages "
+                                         "WHERE state IN ('delivered', 'dead')")).scalar_one()
             raise PhaseError(f"{len(procs)} daemon(s) finished {done}/{n} in {bench.options.drain_timeout:.0f} s")
         time.sleep(POLL)
 
