@@ -74,7 +74,9 @@ def _drain_case(bench: Bench, endpoints: int, backlog: int) -> dict[str, Any]:
     bench.truncate()
     procs = bench.start_daemons(1, tag=f"endpoints-{endpoints}")
     daemon = procs[0]
-    count = text("SELECT count(*) FROM outbox_messages WHERE state = 'delivered'")
+    # Through the partial index of finished rows: filtering the 50,000 rows by state is a
+    # 20 ms scan, every poll, on the CPU the daemon is measured on.
+    count = text("SELECT count(*) FROM outbox_messages WHERE finished_at IS NOT NULL AND state = 'delivered'")
     try:
         _backlog(bench, endpoints, backlog // endpoints, f"drain{endpoints}")
         meter = CpuMeter(bench.engine, [daemon.pid], [bench.main.proc.pid]).start()
