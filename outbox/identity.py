@@ -30,7 +30,7 @@ from typing import Any
 
 from weakref import WeakKeyDictionary
 
-from sqlalchemy import Connection, Engine, inspect, select, text
+from sqlalchemy import Connection, Engine, inspect, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
@@ -145,6 +145,11 @@ _LOOKUP_COLUMNS = (messages.c.id, messages.c.tenant_id, messages.c.idempotency_k
                    messages.c.notification_type, messages.c.sequence_key)
 
 
+def seals_body(connection: Connection, keys: SealingKeys | None) -> bool:
+    """Whether :func:`stored_values` seals a body on ``connection`` (a key is set, the schema has ``body_key_id``)."""
+    return keys is not None and "body_key_id" in _present_columns(connection)
+
+
 def _is_bound_to(row: Any, material: bytes | None, keys: SealingKeys | None, key: str) -> bool:
     """Whether the stored ``row`` carries the notification ``material`` describes.
 
@@ -204,8 +209,7 @@ def stored_values(connection: Connection, row: Mapping[str, Any], keys: SealingK
     values = {k: v for k, v in row.items() if k not in ("credentials", "material")
               and (k != "traceparent" or k in present)}
     values.update(sealed_row(keys, tenant_id=row["tenant_id"], idempotency_key=row["idempotency_key"],
-                             body=row["body"], credentials=row["credentials"],
-                             seal_body="body_key_id" in present))
+                             body=row["body"], credentials=row["credentials"], seal_body=seals_body(connection, keys)))
     if "binding_digest" in present and row["material"] is not None:
         values["binding_digest"] = digest_under(row["material"], values.get("body_key_id"), keys)
     return values
@@ -245,27 +249,3 @@ def stream_key(tenant_id: str, *parts: str) -> str:
     stream)`` builds the same string for plain-SQL producers.
     """
     return "".join(f"{len(part)}:{part}" for part in (tenant_id, *parts))
-
-
-# A new-style stream continues from the counter its pre-0002 key reached (seeded on first
-# use), so a buyer mid-campaign never sees its numbers restart at 1 after the upgrade.
-_NEXT_SEQUENCE = text(
-    "INSERT INTO outbox_sequences (stream_key, last_value) VALUES (:stream_key, "
-    "COALESCE((SELECT last_value FROM outbox_sequences WHERE stream_key = :legacy_key), 0) + 1) "
-    "ON CONFLICT (stream_key) DO UPDATE SET last_value = outbox_sequences.last_value + 1 RETURNING last_value"
-)
-# Only the transaction holding the stream's row lock (it just incremented it) runs this,
-# so nobody can have allocated after it: stepping back is exact and leaves no gap.
-_GIVE_BACK = text(
-    "UPDATE outbox_sequences SET last_value = last_value - 1 WHERE stream_key = :stream_key AND last_value = :n"
-)
-
-
-def next_sequence(connection: Connection, key: str, legacy_key: str) -> int:
-    """Allocate the stream's next number in the caller's transaction (row lock held to commit)."""
-    return int(connection.execute(_NEXT_SEQUENCE, {"stream_key": key, "legacy_key": legacy_key}).scalar_one())
-
-
-def give_back(connection: Connection, key: str, number: int) -> None:
-    """Return a number this transaction allocated and will not use (no gap if it commits)."""
-    connection.execute(_GIVE_BACK, {"stream_key": key, "n": number})

@@ -26,16 +26,12 @@ from outbox.wire import json_default, wire_form
 from outbox.identity import (
     EnqueuedMessage,
     binding_material,
-    bound_record,
     decode_body,
-    existing_twin,
-    give_back,
-    insert_new,
-    next_sequence,
     store_bound,
     stream_key as scoped_stream_key,
 )
 from outbox.keyset import producer_keys
+from outbox.numbering import NUMBER_PLACEHOLDER, store_numbered
 from outbox.tracecontext import current_traceparent
 from outbox.urls import origin, validate_destination
 
@@ -321,7 +317,11 @@ def enqueue_delivery_report(
     }
     if registration.token is not None:
         envelope["token"] = registration.token
-    report["sequence_number"] = 0  # placeholder: size, serializability and binding come first
+    # The number comes last in ``result``, itself last in the envelope: the rendered body
+    # ends with it, and its digits are written in once allocated (outbox/numbering.py).
+    # Rendered with the widest number, so the size check sees the longest body.
+    report.pop("sequence_number", None)
+    report["sequence_number"] = NUMBER_PLACEHOLDER
     envelope["result"] = report
     stream = scoped_stream_key(tenant, stream_key) if stream_key else scoped_stream_key(tenant, media_buy_id,
                                                                                         registration.url)
@@ -331,20 +331,8 @@ def enqueue_delivery_report(
                **_attribution(media_buy_id=media_buy_id, principal_id=owner)}
     row = _row(tenant, registration, key, _render(envelope), envelope, settings, columns)
     connection = _connection(conn)
-    keys = producer_keys(connection, settings)
-    if idempotency_key is not None:  # a retry must neither conflict late nor consume a number
-        replayed = bound_record(connection, tenant, key, row["material"], keys)
-        if replayed is not None:
-            return replayed
-    number = next_sequence(connection, stream, legacy_stream)
-    report["sequence_number"] = number
-    row["body"] = _render(envelope)  # the binding material leaves the number out
-    row["sequence_number"] = number
-    new_id = insert_new(connection, row, keys)
-    if new_id is not None:
-        return EnqueuedMessage(new_id, key, number)
-    give_back(connection, stream, number)  # a concurrent twin committed first: no gap
-    return existing_twin(connection, row, keys)
+    return store_numbered(connection, row, producer_keys(connection, settings), stream=stream,
+                          legacy_stream=legacy_stream, replay=idempotency_key is not None)
 
 
 def exact_body(body: bytes, field: str) -> tuple[dict[str, Any], str]:

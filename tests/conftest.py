@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psycopg
@@ -137,3 +138,10 @@ def settings() -> Settings:
             "OUTBOX_ENCRYPTION_KEY": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
         }
     )
+
+
+@pytest.fixture(params=["sealed", "plaintext"])
+def report_settings(request: pytest.FixtureRequest, settings: Settings) -> Settings:
+    """Both ways a delivery report is stored: a sealed body is numbered statement by statement,
+    a plaintext one (on PostgreSQL) in one statement (outbox/numbering.py)."""
+    return settings if request.param == "sealed" else replace(settings, encryption_key=None)

@@ -6,12 +6,13 @@ import hashlib
 import json
 import re
 import threading
+from dataclasses import replace
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given
 from hypothesis import settings as settings_profile
 from hypothesis import strategies as st
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -89,40 +90,41 @@ def test_non_terminal_status_has_no_notification_id(engine, settings):
     assert_valid(json.dumps(body).encode())
 
 
-def test_rollback_leaves_no_message_and_no_sequence_number(engine, settings):
+def test_rollback_leaves_no_message_and_no_sequence_number(engine, report_settings):
     with Session(engine) as session:
         with session.begin():
-            _task(session, settings)
+            _task(session, report_settings)
             report = outbox.enqueue_delivery_report(session, tenant_id="t1", reporting_webhook=REPORTING,
-                                                    media_buy_id="mb_1", result=DELIVERY, settings=settings)
+                                                    media_buy_id="mb_1", result=DELIVERY, settings=report_settings)
             assert report.sequence_number == 1
             session.rollback()
     assert _count(engine) == 0
     with Session(engine) as session, session.begin():
         again = outbox.enqueue_delivery_report(session, tenant_id="t1", reporting_webhook=REPORTING,
-                                               media_buy_id="mb_1", result=DELIVERY, settings=settings)
+                                               media_buy_id="mb_1", result=DELIVERY, settings=report_settings)
     assert again.sequence_number == 1
 
 
-def test_delivery_report_numbers_and_body(engine, settings):
+def test_delivery_report_numbers_and_body(engine, report_settings):
     numbers = []
     for _ in range(3):
         with engine.begin() as conn:
             numbers.append(outbox.enqueue_delivery_report(conn, tenant_id="t1", reporting_webhook=REPORTING,
-                                                          media_buy_id="mb_9", result=DELIVERY, settings=settings))
+                                                          media_buy_id="mb_9", result=DELIVERY,
+                                                          settings=report_settings))
     assert [r.sequence_number for r in numbers] == [1, 2, 3]
-    body = json.loads(stored.body(engine, numbers[-1].id, settings))
+    body = json.loads(stored.body(engine, numbers[-1].id, report_settings))
     assert body["result"]["sequence_number"] == 3 and body["task_type"] == "media_buy_delivery"
     assert "notification_id" not in body
     assert_valid(json.dumps(body).encode())
     # Another stream (another media buy) starts at 1 again.
     with engine.begin() as conn:
         other = outbox.enqueue_delivery_report(conn, tenant_id="t1", reporting_webhook=REPORTING,
-                                               media_buy_id="mb_10", result=DELIVERY, settings=settings)
+                                               media_buy_id="mb_10", result=DELIVERY, settings=report_settings)
     assert other.sequence_number == 1
 
 
-def test_sequence_numbers_gapless_under_concurrency_in_commit_order(pg_engine, settings):
+def test_sequence_numbers_gapless_under_concurrency_in_commit_order(pg_engine, report_settings):
     """8 threads x 200 committed transactions on one stream: exactly 1..1600, commit-ordered.
 
     Commit order is checked inside each transaction: when number n is allocated, numbers
@@ -136,7 +138,8 @@ def test_sequence_numbers_gapless_under_concurrency_in_commit_order(pg_engine, s
         for _ in range(200):
             with pg_engine.begin() as conn:
                 record = outbox.enqueue_delivery_report(conn, tenant_id="t1", reporting_webhook=REPORTING,
-                                                        media_buy_id="mb_hot", result=DELIVERY, settings=settings)
+                                                        media_buy_id="mb_hot", result=DELIVERY,
+                                                        settings=report_settings)
                 committed_before = conn.execute(text(
                     "SELECT count(*) FROM outbox_messages WHERE sequence_key = :k AND id <> :id"),
                     {"k": stream_key("t1", "mb_hot", REPORTING["url"]), "id": record.id}).scalar_one()
@@ -170,9 +173,9 @@ def test_same_key_same_bytes_returns_existing_different_bytes_raises(engine, set
     assert _count(engine) == 1
 
 
-def test_replayed_report_key_consumes_no_number(engine, settings):
+def test_replayed_report_key_consumes_no_number(engine, report_settings):
     kwargs = dict(tenant_id="t1", reporting_webhook=REPORTING, media_buy_id="mb_1", result=DELIVERY,
-                  idempotency_key="whk_report_key_00000001", settings=settings)
+                  idempotency_key="whk_report_key_00000001", settings=report_settings)
     with engine.begin() as conn:
         first = outbox.enqueue_delivery_report(conn, **kwargs)
     with engine.begin() as conn:
@@ -180,6 +183,71 @@ def test_replayed_report_key_consumes_no_number(engine, settings):
     with engine.begin() as conn:
         nxt = outbox.enqueue_delivery_report(conn, **{**kwargs, "idempotency_key": None})
     assert nxt.sequence_number == 2
+
+
+
+def test_a_report_body_ends_with_its_number_whatever_the_result_carries(engine, report_settings):
+    """The seller's own ``sequence_number`` is replaced, the number is the body's last field,
+    and the stored digest covers the bytes stored."""
+    result = {"sequence_number": 99, **DELIVERY, "note": "é \u2028 \"sequence_number\":1}}"}
+    with engine.begin() as conn:
+        for _ in range(2):
+            record = outbox.enqueue_delivery_report(conn, tenant_id="t1", reporting_webhook=REPORTING,
+                                                    media_buy_id="mb_1", result=result, settings=report_settings)
+    raw = stored.body(engine, record.id, report_settings)
+    body = json.loads(raw)
+    assert record.sequence_number == 2 and body["result"] == {**result, "sequence_number": 2}
+    assert list(body["result"])[-1] == "sequence_number" and raw.endswith(b'"sequence_number":2}}')
+    assert stored.row(engine, record.id).sequence_number == 2
+    row = stored.row(engine, record.id)
+    assert row.body_sha256 == hashlib.sha256(row.body).digest()
+
+
+def _statements(engine, call) -> list[str]:
+    """The SQL statements ``call(conn)`` sends, in one committed transaction."""
+    sent: list[str] = []
+    with engine.begin() as conn:
+        listen = lambda *args: sent.append(args[2])  # noqa: E731 (conn, cursor, statement, ...)
+        event.listen(conn, "before_cursor_execute", listen)
+        try:
+            call(conn)
+        finally:
+            event.remove(conn, "before_cursor_execute", listen)
+    return sent
+
+
+def test_a_plaintext_report_costs_one_statement_on_postgresql(pg_engine, settings):
+    """The replay check, the stream's number and the row: one round trip (a replay reads its twin too)."""
+    plain = replace(settings, encryption_key=None)
+    report = dict(tenant_id="t1", reporting_webhook=REPORTING, media_buy_id="mb_1", result=DELIVERY,
+                  idempotency_key="whk_report_key_00000001", settings=plain)
+    with pg_engine.begin() as conn:  # the engine's first enqueue reads which columns the schema has
+        _task(conn, plain)
+    assert len(_statements(pg_engine, lambda conn: outbox.enqueue_delivery_report(conn, **report))) == 1
+    assert len(_statements(pg_engine, lambda conn: outbox.enqueue_delivery_report(conn, **report))) == 2
+    minted = {**report, "idempotency_key": None}
+    assert len(_statements(pg_engine, lambda conn: outbox.enqueue_delivery_report(conn, **minted))) == 1
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(sequences.c.last_value)).scalar_one() == 2
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                 max_size=3),
+                     max_leaves=8)
+
+
+@settings_profile(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.text(max_size=12).filter(lambda k: k != "notification_type"), _JSON, max_size=5))
+def test_any_report_result_is_stored_with_its_number_in_place(pg_engine, settings, result):
+    """Differential: the body spliced around the number decodes to the result the seller gave, numbered."""
+    plain = replace(settings, encryption_key=None)
+    with pg_engine.begin() as conn:
+        record = outbox.enqueue_delivery_report(conn, tenant_id="t1", reporting_webhook=REPORTING,
+                                                media_buy_id="mb_any", result=result, settings=plain)
+    body = json.loads(stored.body(pg_engine, record.id, plain))
+    assert body["result"] == {**{k: v for k, v in result.items() if k != "sequence_number"},
+                              "sequence_number": record.sequence_number}
 
 
 BAD_INPUTS = [

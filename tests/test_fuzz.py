@@ -402,8 +402,8 @@ def test_fuzz_enqueue_postgresql(pg_engine, settings, kwargs):
 
 @FUZZ_PG
 @given(kwargs=REPORT_KWARGS)
-def test_fuzz_enqueue_delivery_report_postgresql(pg_engine, settings, kwargs):
-    _check_report(pg_engine, kwargs, settings)
+def test_fuzz_enqueue_delivery_report_postgresql(pg_engine, report_settings, kwargs):
+    _check_report(pg_engine, kwargs, report_settings)
 
 
 @FUZZ_PG

@@ -86,37 +86,38 @@ def test_identical_arguments_retry_returns_the_existing_record(engine, settings)
             _task(conn, settings, status="failed")
 
 
-def test_a_changed_delivery_report_under_its_key_raises_and_consumes_no_number(engine, settings):
+def test_a_changed_delivery_report_under_its_key_raises_and_consumes_no_number(engine, report_settings):
     with engine.begin() as conn:
-        first = _report(conn, settings, idempotency_key=KEY)
+        first = _report(conn, report_settings, idempotency_key=KEY)
     with engine.begin() as conn:
-        assert _report(conn, settings, idempotency_key=KEY) == first  # same report: same record, same number
+        # the same report: the same record, the same number
+        assert _report(conn, report_settings, idempotency_key=KEY) == first
     corrected = {**DELIVERY, "currency": "EUR"}
     with pytest.raises(outbox.IdempotencyConflictError), engine.begin() as conn:
-        _report(conn, settings, idempotency_key=KEY, result=corrected)
+        _report(conn, report_settings, idempotency_key=KEY, result=corrected)
     with engine.begin() as conn:
-        nxt = _report(conn, settings, result=corrected)
+        nxt = _report(conn, report_settings, result=corrected)
     assert (first.sequence_number, nxt.sequence_number) == (1, 2)
     assert _last_value(engine, stream_key("t1", "mb_1", REPORTING["url"])) == 2
 
 
-def test_two_tenants_with_one_stream_key_get_independent_sequences(engine, settings):
+def test_two_tenants_with_one_stream_key_get_independent_sequences(engine, report_settings):
     numbers: dict[str, list[int]] = {"t1": [], "t2": []}
     for _ in range(3):
         for tenant in numbers:
             with engine.begin() as conn:
-                record = _report(conn, settings, tenant_id=tenant, stream_key="campaign-42")
+                record = _report(conn, report_settings, tenant_id=tenant, stream_key="campaign-42")
             numbers[tenant].append(record.sequence_number)
     assert numbers == {"t1": [1, 2, 3], "t2": [1, 2, 3]}
     assert {r.sequence_key for r in _rows(engine)} == {stream_key("t1", "campaign-42"), stream_key("t2", "campaign-42")}
 
 
-def test_default_stream_keys_cannot_collide_across_colons(engine, settings):
+def test_default_stream_keys_cannot_collide_across_colons(engine, report_settings):
     """("a:b", "c") and ("a", "b:c") joined with ':' were one stream; now they are two."""
     with engine.begin() as conn:
-        one = _report(conn, settings, tenant_id="a:b", media_buy_id="c")
-        two = _report(conn, settings, tenant_id="a", media_buy_id="b:c")
-        explicit = _report(conn, settings, tenant_id="a", stream_key=f"b:c:{REPORTING['url']}")
+        one = _report(conn, report_settings, tenant_id="a:b", media_buy_id="c")
+        two = _report(conn, report_settings, tenant_id="a", media_buy_id="b:c")
+        explicit = _report(conn, report_settings, tenant_id="a", stream_key=f"b:c:{REPORTING['url']}")
     assert (one.sequence_number, two.sequence_number, explicit.sequence_number) == (1, 1, 1)
 
 
@@ -133,15 +134,15 @@ async def test_sdk_sequence_key_is_scoped_by_tenant(engine, settings):
     assert [(r.tenant_id, r.sequence_number) for r in _rows(engine)] == [("t1", 1), ("t2", 1), ("t1", 2)]
 
 
-def test_a_stream_continues_from_its_pre_upgrade_counter(engine, settings):
+def test_a_stream_continues_from_its_pre_upgrade_counter(engine, report_settings):
     """A buyer mid-campaign must not see its numbers restart at 1 after the migration."""
     with engine.begin() as conn:
         conn.execute(sequences.insert(), [{"stream_key": f"t1:mb_1:{REPORTING['url']}", "last_value": 41},
                                           {"stream_key": "legacy-stream", "last_value": 7}])
     with engine.begin() as conn:
-        assert _report(conn, settings).sequence_number == 42
-        assert _report(conn, settings).sequence_number == 43
-        assert _report(conn, settings, stream_key="legacy-stream").sequence_number == 8
+        assert _report(conn, report_settings).sequence_number == 42
+        assert _report(conn, report_settings).sequence_number == 43
+        assert _report(conn, report_settings, stream_key="legacy-stream").sequence_number == 8
 
 
 def test_a_row_without_a_digest_is_judged_by_its_stored_content(engine, settings):
@@ -160,7 +161,7 @@ def test_a_row_without_a_digest_is_judged_by_its_stored_content(engine, settings
     assert found.id == _rows(engine)[0].id and len(_rows(engine)) == 1
 
 
-def test_a_concurrent_twin_gives_its_number_back(pg_engine, settings):
+def test_a_concurrent_twin_gives_its_number_back(pg_engine, report_settings):
     """Two transactions with one key: the loser allocated after the winner committed, gives the
     number back, and returns the winner's record (PostgreSQL: real concurrency)."""
     started, results = threading.Event(), {}
@@ -168,18 +169,19 @@ def test_a_concurrent_twin_gives_its_number_back(pg_engine, settings):
     def loser() -> None:
         started.wait()
         with pg_engine.begin() as conn:
-            results["loser"] = _report(conn, settings, idempotency_key=KEY)  # waits on the stream's row lock
+            # waits on the stream's row lock
+            results["loser"] = _report(conn, report_settings, idempotency_key=KEY)
 
     thread = threading.Thread(target=loser)
     thread.start()
     with pg_engine.begin() as conn:
-        results["winner"] = _report(conn, settings, idempotency_key=KEY)
+        results["winner"] = _report(conn, report_settings, idempotency_key=KEY)
         started.set()
         conn.execute(text("SELECT pg_sleep(0.5)"))
     thread.join(10)
     assert results["loser"] == results["winner"] and results["winner"].sequence_number == 1
     with pg_engine.begin() as conn:
-        assert _report(conn, settings).sequence_number == 2
+        assert _report(conn, report_settings).sequence_number == 2
 
 
 def test_migration_converts_an_existing_database(sqlite_url, pg_server_url, tmp_path, settings):

@@ -1,0 +1,147 @@
+"""A delivery report's sequence number and its row, stored in one round trip on PostgreSQL.
+
+A report's body carries its stream's next ``sequence_number`` (docs/protocol.md "Delivery
+reports"), so the number must exist before the body's bytes do. The producer renders the
+body once, with :data:`NUMBER_PLACEHOLDER` as the last field of ``result`` (``result`` is
+the envelope's last field), so the stored bytes are always ``head + digits + b"}}"``:
+:func:`with_number` writes the allocated number in without rendering again.
+
+On PostgreSQL one statement then asks whether the key is taken, allocates the number only
+when it is not, and inserts the row with the number spliced into its body: a replay
+consumes no number (its stored twin is then read and judged), and a twin committed
+concurrently (the insert finds the key taken) gives its number back. A sealed body is
+sealed in Python, after its number is known, and SQLite runs in-process with no round trip
+to save, so both take the same steps one statement at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import Connection, TextClause, bindparam, text
+
+from outbox.identity import (
+    EnqueuedMessage,
+    bound_record,
+    existing_twin,
+    insert_new,
+    seals_body,
+    stored_values,
+)
+from outbox.schema import messages
+from outbox.sealing import SealingKeys
+
+# The widest number a bigint counter reaches: the body's size check sees the longest body.
+NUMBER_PLACEHOLDER = 2**63 - 1
+_CLOSE = b"}}"  # the end of ``result`` and of the envelope
+_PLACEHOLDER_END = str(NUMBER_PLACEHOLDER).encode() + _CLOSE
+
+# A new-style stream continues from the counter its pre-0002 key reached (seeded on first
+# use), so a buyer mid-campaign never sees its numbers restart at 1 after the upgrade.
+_ALLOCATE = (
+    "INSERT INTO outbox_sequences (stream_key, last_value) SELECT :stream_key, "
+    "COALESCE((SELECT last_value FROM outbox_sequences WHERE stream_key = :legacy_key), 0) + 1 {unless} "
+    "ON CONFLICT (stream_key) DO UPDATE SET last_value = outbox_sequences.last_value + 1 RETURNING last_value"
+)
+_NEXT_SEQUENCE = text(_ALLOCATE.format(unless=""))
+# Only the transaction holding the stream's row lock (it just incremented it) runs this,
+# so nobody can have allocated after it: stepping back is exact and leaves no gap.
+_GIVE_BACK = text(
+    "UPDATE outbox_sequences SET last_value = last_value - 1 WHERE stream_key = :stream_key AND last_value = :n"
+)
+# Filled in by the statement itself: the number, the body around it and the body's digest.
+_SPLICED = frozenset({"body", "body_sha256", "sequence_number"})
+_STATEMENTS: dict[tuple[str, ...], TextClause] = {}
+
+
+def _head(body: bytes) -> bytes:
+    """What comes before the number in ``body`` (rendered with :data:`NUMBER_PLACEHOLDER` last)."""
+    if not body.endswith(_PLACEHOLDER_END):
+        raise ValueError("a numbered body must end with result.sequence_number (the placeholder)")
+    return body[: -len(_PLACEHOLDER_END)]
+
+
+def with_number(body: bytes, number: int) -> bytes:
+    """``body`` (rendered with :data:`NUMBER_PLACEHOLDER` last) carrying ``number`` instead."""
+    return _head(body) + str(number).encode() + _CLOSE
+
+
+def next_sequence(connection: Connection, key: str, legacy_key: str) -> int:
+    """Allocate the stream's next number in the caller's transaction (row lock held to commit)."""
+    return int(connection.execute(_NEXT_SEQUENCE, {"stream_key": key, "legacy_key": legacy_key}).scalar_one())
+
+
+def give_back(connection: Connection, key: str, number: int) -> None:
+    """Return a number this transaction allocated and will not use (no gap if it commits)."""
+    connection.execute(_GIVE_BACK, {"stream_key": key, "n": number})
+
+
+def store_numbered(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None, *,
+                   stream: str, legacy_stream: str, replay: bool) -> EnqueuedMessage:
+    """Store a rendered report ``row`` (body ending in the placeholder) under its stream's next number.
+
+    ``replay``: the caller chose the key, so a stored twin may exist and is returned (or
+    raises :class:`IdempotencyConflictError`) before any number is taken.
+    """
+    if connection.dialect.name == "postgresql" and not seals_body(connection, keys):
+        stored = _in_one_statement(connection, row, keys, stream, legacy_stream)
+        if stored is not None:
+            return stored
+        replay = False  # the key's row was gone by the time it was read (purged): a fresh report
+    if replay:
+        replayed = bound_record(connection, row["tenant_id"], row["idempotency_key"], row["material"], keys)
+        if replayed is not None:
+            return replayed
+    number = next_sequence(connection, stream, legacy_stream)
+    numbered = {**row, "body": with_number(row["body"], number), "sequence_number": number}
+    new_id = insert_new(connection, numbered, keys)
+    if new_id is not None:
+        return EnqueuedMessage(new_id, row["idempotency_key"], number)
+    give_back(connection, stream, number)  # a concurrent twin committed first: no gap
+    return existing_twin(connection, numbered, keys)
+
+
+def _in_one_statement(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None,
+                      stream: str, legacy_stream: str) -> EnqueuedMessage | None:
+    """The report stored, or its stored twin; ``None`` when the key was taken but its row is gone."""
+    values = {name: value for name, value in stored_values(connection, row, keys).items() if name not in _SPLICED}
+    params = {**values, "stream_key": stream, "legacy_key": legacy_stream, "head": _head(row["body"]),
+              "close": _CLOSE}
+    result = connection.execute(_statement(connection, tuple(values)), params).one()
+    if result.stored_id is not None:
+        return EnqueuedMessage(result.stored_id, row["idempotency_key"], result.allocated)
+    if result.allocated is not None:  # the insert found the key taken: a twin committed meanwhile
+        give_back(connection, stream, result.allocated)
+        return existing_twin(connection, row, keys)
+    return bound_record(connection, row["tenant_id"], row["idempotency_key"], row["material"], keys)
+
+
+def _statement(connection: Connection, columns: tuple[str, ...]) -> TextClause:
+    """The one statement, per set of inserted columns (a schema one migration behind has fewer)."""
+    statement = _STATEMENTS.get(columns)
+    if statement is not None:
+        return statement
+    quote = connection.dialect.identifier_preparer.quote
+    casts = ", ".join(f"CAST(:{name} AS {messages.c[name].type.compile(connection.dialect)})" for name in columns)
+    sql = f"""
+        WITH taken AS MATERIALIZED (
+            SELECT 1 FROM outbox_messages WHERE tenant_id = :tenant_id AND idempotency_key = :idempotency_key
+        ),
+        allocated AS ({_ALLOCATE.format(unless="WHERE NOT EXISTS (SELECT 1 FROM taken)")}),
+        rendered AS (
+            SELECT last_value AS n, :head || convert_to(CAST(last_value AS text), 'UTF8') || :close AS body
+            FROM allocated
+        ),
+        stored AS (
+            INSERT INTO outbox_messages ({", ".join(quote(name) for name in columns)}, sequence_number, body,
+                                         body_sha256)
+            SELECT {casts}, r.n, r.body, sha256(r.body) FROM rendered AS r
+            ON CONFLICT DO NOTHING RETURNING id
+        )
+        SELECT (SELECT n FROM rendered) AS allocated, (SELECT id FROM stored) AS stored_id"""
+    statement = text(sql).bindparams(
+        *(bindparam(name, type_=messages.c[name].type) for name in columns),
+        bindparam("head", type_=messages.c.body.type), bindparam("close", type_=messages.c.body.type))
+    _STATEMENTS[columns] = statement
+    return statement
