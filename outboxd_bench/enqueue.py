@@ -6,6 +6,10 @@ and, with ``--peer adcp``, the same transaction alone and with the SDK's
 ``PgTaskWebhookOutbox.enqueue_terminal`` on the SDK's own driver (psycopg's async pool, as
 the SDK is used). Each "added" figure is a variant's p50 minus the p50 of the transaction
 alone on the same driver.
+
+Both sides run with psycopg's statement preparation as a seller's own engine has it
+(docs/enqueue.md): psycopg's default (repeated statements prepared) on a direct connection,
+none behind a transaction pooler (``OUTBOX_DATABASE_POOLER=transaction``, docs/pooler.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ DELIVERY = {"notification_type": "scheduled", "reporting_period": {"start": "202
 STATUS_EVENT = {"account_id": ACCOUNT, "previous_status": "pending_approval", "status": "active",
                 "observed_at": "2026-12-01T10:00:00Z", "reason_code": "seller_approved"}
 MAX_ADDED_RATIO = 0.5  # outboxd's added p50 against the SDK's
+PSYCOPG_PREPARE_THRESHOLD = 5  # psycopg's default: a statement run this often is prepared
+
+
+def seller_driver_options(settings: Any) -> dict[str, Any]:
+    """The psycopg options of a seller's own connections: its defaults, unless behind a pooler."""
+    return {"prepare_threshold": None if settings.database_pooler == "transaction" else PSYCOPG_PREPARE_THRESHOLD}
 
 
 def phase_enqueue(bench: Bench) -> dict[str, Any]:
@@ -35,8 +45,12 @@ def phase_enqueue(bench: Bench) -> dict[str, Any]:
 
     import outbox
     from outbox.config import with_overrides
+    from outbox.db import make_engine
 
     bench.truncate()
+    # The seller's own engine (docs/enqueue.md), not the bench's pooler-safe one.
+    seller_engine = make_engine(bench.settings.database_url, pool_size=1,
+                                connect_args=seller_driver_options(bench.settings))
     # a subscriber's URL proof names the seller agent (never reached here: the proof is skipped)
     settings = with_overrides(bench.producer_settings, seller_agent_url="https://seller.example/adcp")
     with bench.engine.begin() as conn:
@@ -52,7 +66,7 @@ def phase_enqueue(bench: Bench) -> dict[str, Any]:
     def variant(enqueue: Callable[[Any, int], Any] | None) -> Callable[[int], float]:
         def once(i: int) -> float:
             started = time.perf_counter()
-            with bench.engine.begin() as conn:
+            with seller_engine.begin() as conn:
                 conn.execute(seller, {"s": f"s{i}"})
                 if enqueue is not None:
                     enqueue(conn, i)
@@ -82,6 +96,7 @@ def phase_enqueue(bench: Bench) -> dict[str, Any]:
             for name, once in variants.items():
                 samples[name].append(once(i))
     finally:
+        seller_engine.dispose()
         if peer is not None:
             peer.close()
         with bench.engine.begin() as conn:
@@ -90,7 +105,8 @@ def phase_enqueue(bench: Bench) -> dict[str, Any]:
     p50 = {name: round(percentile(values, 50), 3) for name, values in samples.items()}
     p99 = {name: round(percentile(values, 99), 3) for name, values in samples.items()}
     added = {name: round(p50[name] - p50["alone"], 3) for name in ("task_webhook", "delivery_report", "event")}
-    result: dict[str, Any] = {"rounds": rounds, "p50_ms": p50, "p99_ms": p99, "added_p50_ms": added}
+    result: dict[str, Any] = {"rounds": rounds, "p50_ms": p50, "p99_ms": p99, "added_p50_ms": added,
+                              "prepare_threshold": seller_driver_options(bench.settings)["prepare_threshold"]}
     if peer is not None:
         sdk = round(p50["sdk_enqueue_terminal"] - p50["sdk_alone"], 3)
         result["sdk_added_p50_ms"] = sdk
@@ -107,6 +123,7 @@ class _SdkVariants:
         self._dsn = make_url(bench.settings.database_url).set(drivername="postgresql").render_as_string(
             hide_password=False)
         self._url = bench.main.url("/ok")
+        self._options = seller_driver_options(bench.settings)
         self._loop = asyncio.new_event_loop()
         self._outbox, self._pool = self._loop.run_until_complete(self._open())
 
@@ -118,7 +135,7 @@ class _SdkVariants:
 
         from outboxd_bench.peer import TABLE
 
-        pool = AsyncConnectionPool(self._dsn, open=False)
+        pool = AsyncConnectionPool(self._dsn, open=False, kwargs=self._options)
         await pool.open()
         sender = WebhookSender(private_key=ed25519.Ed25519PrivateKey.generate(), key_id="bench-peer", alg="ed25519")
         sdk = PgTaskWebhookOutbox(pool=pool, sender=sender, encryption_key=os.urandom(32),
@@ -175,7 +192,10 @@ def enqueue_targets(f: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
 
 def render_enqueue(phase: dict[str, Any]) -> list[str]:
     p50, p99 = phase["p50_ms"], phase["p99_ms"]
-    lines = [f"ENQUEUE: a committed seller transaction (one UPDATE), {phase['rounds']:,} interleaved rounds",
+    prepared = phase.get("prepare_threshold")
+    driver = "psycopg's default statement preparation" if prepared else "no prepared statements (pooler)"
+    lines = [f"ENQUEUE: a committed seller transaction (one UPDATE), {phase['rounds']:,} interleaved rounds, "
+             f"both sides with {driver}",
              f"  {'':46}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>11}"]
     rows = [("alone (SQLAlchemy)", "alone", None), ("+ enqueue_task_webhook", "task_webhook", "alone"),
             ("+ enqueue_delivery_report", "delivery_report", "alone"), ("+ enqueue_event (1 subscriber)", "event", "alone"),
