@@ -141,19 +141,8 @@ def claim_sql(pg: bool, now: str) -> str:
     # The target table is not aliased: SQLite resolves RETURNING only so.
     breaker = ("(SELECT b.{col} FROM outbox_breakers AS b WHERE b.tenant_id = outbox_messages.tenant_id"
                " AND b.origin = outbox_messages.origin)")
-    return f"""
-        WITH {heads}
-        slots AS {"MATERIALIZED " if pg else ""}(
-            SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
-            FROM heads
-        ),
-        picked AS (
-            SELECT m.id AS picked_id FROM slots AS s JOIN outbox_messages AS m ON m.id = s.id
-            LEFT JOIN held AS h ON h.o = s.o
-            WHERE s.slot + COALESCE(h.n, 0) <= :cap AND m.state = 'pending'
-            ORDER BY s.slot, s.next_attempt_at, s.id
-            LIMIT :limit {lock}
-        ){repair}
+    within_cap = "s.slot + COALESCE(h.n, 0) <= :cap"
+    update = f"""
         UPDATE outbox_messages
         SET state = 'in_flight', lease_token = :token, lease_expires_at = {now} + :lease,
             leased_by = :daemon, attempts = attempts + 1,
@@ -163,5 +152,29 @@ def claim_sql(pg: bool, now: str) -> str:
         RETURNING id, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id, auth_mode, auth_secret,
                   sequence_number, notification_type, attempts, retry_until, created_at, trigger,
                   {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
-                  {breaker.format(col="open_until")} AS breaker_open_until, traceparent, subscriber_ref
+                  {breaker.format(col="open_until")} AS breaker_open_until, traceparent, subscriber_ref"""
+    if pg:
+        # How many rows the claim meant to lease, on a row of its own when it leased none:
+        # fewer leased means another claim took (or held) some of them, so due work may be
+        # left (see ``outbox.store.claim``).
+        update = f""",
+        claimed AS ({update}
+        )
+        SELECT c.*, w.wanted FROM (
+            SELECT count(*) AS wanted FROM (
+                SELECT 1 FROM slots AS s LEFT JOIN held AS h ON h.o = s.o WHERE {within_cap} LIMIT :limit) AS x
+        ) AS w LEFT JOIN claimed AS c ON true"""
+    return f"""
+        WITH {heads}
+        slots AS {"MATERIALIZED " if pg else ""}(
+            SELECT id, next_attempt_at, o, row_number() OVER (PARTITION BY o ORDER BY nth, next_attempt_at, id) AS slot
+            FROM heads
+        ),
+        picked AS (
+            SELECT m.id AS picked_id FROM slots AS s JOIN outbox_messages AS m ON m.id = s.id
+            LEFT JOIN held AS h ON h.o = s.o
+            WHERE {within_cap} AND m.state = 'pending'
+            ORDER BY s.slot, s.next_attempt_at, s.id
+            LIMIT :limit {lock}
+        ){repair}{update}
     """

@@ -224,6 +224,13 @@ async def db_now(conn: AsyncConnection) -> float:
     return float((await conn.execute(sql(conn).now)).scalar_one())
 
 
+class ClaimedBatch(list[Claimed]):
+    """What one claim leased, in order, and whether it was ``contended``: another claim took
+    or held rows this one meant to lease (PostgreSQL), so due work may be left behind."""
+
+    contended: bool = False
+
+
 async def claim(
     conn: AsyncConnection,
     *,
@@ -234,7 +241,7 @@ async def claim(
     endpoint_concurrency: int,
     held: Mapping[str, int] | None = None,
     sent: float | None = None,
-) -> list[Claimed]:
+) -> ClaimedBatch:
     """Lease up to ``limit`` messages that may be sent now, in one statement.
 
     Endpoints behind an open breaker are passed over, an origin gets no more than
@@ -248,6 +255,10 @@ async def claim(
 
     ``sent`` is when (``time.monotonic()``) the caller began the claim, before opening its
     transaction; each message carries it as ``claim_sent`` (now, if not given).
+
+    Two daemons' claims read the same heads (each endpoint's oldest due rows): the later one
+    skips what the earlier holds or has leased, and comes back short. The batch says so
+    (``contended``), so its caller claims again rather than wait for new work.
     """
     sent = time.monotonic() if sent is None else sent
     token = uuid.uuid4().hex
@@ -257,7 +268,8 @@ async def claim(
         "limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
         "token": token, "cap": endpoint_concurrency, "held": json.dumps(dict(held or {})),
     })
-    return [
+    rows = list(result)
+    batch = ClaimedBatch(
         Claimed(
             id=r.id, tenant_id=r.tenant_id, url=r.url, origin=endpoint_origin(r.url), stored_origin=r.origin,
             idempotency_key=r.idempotency_key,
@@ -270,8 +282,10 @@ async def claim(
             claim_sent=sent,
             traceparent=r.traceparent, subscriber_ref=r.subscriber_ref,
         )
-        for r in result
-    ]
+        for r in rows if r.id is not None  # PostgreSQL's row of the count alone: nothing leased
+    )
+    batch.contended = _is_pg(conn) and bool(rows) and len(batch) < rows[0].wanted
+    return batch
 
 
 async def complete(conn: AsyncConnection, completions: Sequence[Completion]) -> set[int]:

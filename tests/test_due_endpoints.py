@@ -79,7 +79,7 @@ def test_claim_work_does_not_grow_with_backlogged_endpoints(pg_engine, origins, 
 
 
 async def _claim(engine: Any, *, limit: int = 50, cap: int = BUDGET, daemon: str = "d1",
-                 held: Sequence[store.Claimed] = ()) -> list[store.Claimed]:
+                 held: Sequence[store.Claimed] = ()) -> store.ClaimedBatch:
     """A claim by ``daemon``, which holds the leases ``held``."""
     async with engine.begin() as conn:
         return await store.claim(conn, limit=limit, lease_seconds=30, horizon_seconds=86_400, daemon_id=daemon,
@@ -128,6 +128,28 @@ async def test_new_work_behind_a_backoff_or_a_closed_breaker_goes_at_once(pg_eng
     finally:
         await engine.dispose()
 
+
+
+async def test_a_claim_that_another_holds_rows_of_comes_back_contended(pg_engine):
+    """Two daemons' claims read the same heads: the one that finds them locked leases nothing
+    and says so, and its next claim takes what is left once the other has committed."""
+    engine = make_async_engine(_url(pg_engine))
+    try:
+        with pg_engine.begin() as conn:
+            _insert(conn, endpoints=1, per=20)
+        with pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(_STATEMENTS[True].gather_due)  # nothing left to fold: no claim waits on it
+        async with engine.begin() as first:
+            held = await store.claim(first, limit=50, lease_seconds=30, horizon_seconds=86_400, daemon_id="d1",
+                                     endpoint_concurrency=BUDGET)
+            assert len(held) == BUDGET and not held.contended
+            short = await _claim(engine, daemon="d2")  # while the first still holds its rows
+            assert short == [] and short.contended
+        rest = await _claim(engine, daemon="d2")
+        assert len(rest) == 20 - BUDGET and not rest.contended
+        assert await _claim(engine, daemon="d3") == []
+    finally:
+        await engine.dispose()
 
 async def test_the_tables_empty_once_nothing_is_pending(pg_engine):
     engine = make_async_engine(_url(pg_engine))

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 import outbox
 from outbox.config import Settings
@@ -167,8 +167,40 @@ def test_several_daemons_never_share_a_message(pg_engine, pg_url, tmp_path, keyp
         per_message = conn.execute(select(attempts.c.message_id, func.count(), func.min(attempts.c.daemon_id))
                                    .group_by(attempts.c.message_id)).all()
         assert len(per_message) == total and all(n == 1 for _, n, _ in per_message)
-        assert len({d for _, _, d in per_message}) == daemons, "every daemon should have taken a share"
+    # One origin: every claim reads the same endpoints' oldest rows, and a claim that comes
+    # back short because another took them claims again, so no daemon is left idle.
+    shares = collections.Counter(d for _, _, d in per_message)
+    assert len(shares) == daemons and min(shares.values()) >= total / daemons / 4, shares
 
+
+
+def _listening(engine) -> int:
+    """Connections waiting on a LISTEN: one per idle daemon (and channel) that a commit wakes."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                 "AND query = 'LISTEN outbox_wakeup'")).scalar_one()
+
+
+def test_idle_daemons_woken_by_one_commit_share_one_origin(pg_engine, pg_url, tmp_path, keypair):
+    """Two idle daemons (the default poll interval), one commit of 3,000 messages for ten
+    tenants of one origin: both claim at once, read the same endpoints' oldest rows, and the
+    claim that comes back short claims again instead of idling until the poll."""
+    key, jwks = keypair
+    total = 3000
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        env = procs.daemon_env(pg_url, key, poll_interval_seconds=1)
+        running = [procs.start_daemon(env, tmp_path / f"d{i}.log") for i in range(2)]
+        try:
+            assert procs.wait_until(lambda: _listening(pg_engine) >= 2, 30), "the daemons should be listening"
+            enqueue_many(pg_engine, f"http://127.0.0.1:{port}", [f"/ok?n={i}" for i in range(total)], tenants=10,
+                         per_txn=total)
+            assert procs.wait_until(lambda: finished(pg_engine, total), 120), states(pg_engine)
+        finally:
+            assert all(procs.stop(d) == 0 for d in running)
+    with pg_engine.connect() as conn:
+        shares = dict(conn.execute(select(attempts.c.daemon_id, func.count()).where(attempts.c.outcome == "success")
+                                   .group_by(attempts.c.daemon_id)).all())
+    assert len(shares) == 2 and min(shares.values()) >= total / 8, shares
 
 def test_breaker_isolates_a_failing_tenant_at_constant_cost(pg_engine, pg_url, tmp_path, keypair):
     """A dead endpoint with 2,000 pending messages, default breaker settings: it trips within

@@ -112,6 +112,7 @@ class Claimer:
         self._wake.set()
 
     async def run(self) -> None:
+        retried = False  # the last claim was a retry of a contended one
         while not self._stopping:
             # Every lease counts: requests open and messages waiting their turn, within two
             # rounds of the concurrency, and outcomes the completer has not recorded yet past
@@ -128,7 +129,12 @@ class Claimer:
             timeout = self._settings.poll_interval_seconds
             try:
                 batch = await self._claim(limit)
-                if len(batch) == limit:
+                # Another daemon's claim took or held rows this one read: claim again at once,
+                # once. A second contended claim in a row waits like a partial one, so rows a
+                # long transaction keeps locked never make the claimer spin.
+                retry = batch.contended and not retried and len(batch) < limit
+                retried = retry
+                if len(batch) == limit or retry:
                     self._outage.ok(CLAIMING)
                     continue  # more may be due: claim again at once
                 if not batch and not self._tasks and not self._dispatch.queued:
@@ -152,7 +158,7 @@ class Claimer:
                 pass
         self._wake.clear()
 
-    async def _claim(self, limit: int) -> list[Claimed]:
+    async def _claim(self, limit: int) -> store.ClaimedBatch:
         # What this process held per origin when the claim went out: the statement counted at
         # most that (requests may end while it runs), so an origin whose held plus claimed
         # reaches the budget may have had due work left behind.
@@ -173,7 +179,7 @@ class Claimer:
                 self._dispatch.add(message)
             else:  # another daemon took this endpoint's half-open probe, or the database failed to grant it
                 self._release(message)
-        self._capped = len(batch) >= limit or any(n >= self._budget for n in held.values())
+        self._capped = len(batch) >= limit or batch.contended or any(n >= self._budget for n in held.values())
         self._metrics.in_flight.set(self.in_flight)
         return batch
 
