@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, text, tuple_
+from sqlalchemy import TextClause, bindparam, text, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.claim_sql import DEADLINE, MIN_HORIZON_SECONDS, claim_sql
@@ -310,10 +310,33 @@ async def complete(conn: AsyncConnection, completions: Sequence[Completion]) -> 
 
 
 _INSERT_ATTEMPTS = attempts.insert()  # one statement object: supervisor/cycle/pgdirect.py caches its rendering
+_ATTEMPT_KINDS = {"message_id": "int", "attempt_number": "int", "http_status": "int", "response_time_ms": "int",
+                  "payload_size": "int", "sequence_number": "int", "will_retry": "bool", "next_retry_at": "float",
+                  "occurred_at": "float"}  # every other column is text
+_PG_ATTEMPT_INSERTS: dict[tuple[str, ...], TextClause] = {}
+
+
+def _pg_attempt_insert(columns: tuple[str, ...]) -> TextClause:
+    """One INSERT of a batch's attempt rows from a JSON array, per set of columns (kept, so
+    its rendering is cached like every statement's)."""
+    statement = _PG_ATTEMPT_INSERTS.get(columns)
+    if statement is None:
+        names = ", ".join(columns)
+        source = _json_rows(True, [(name, _ATTEMPT_KINDS.get(name, "text")) for name in columns])
+        statement = text(f"INSERT INTO outbox_attempts ({names}) SELECT {names} FROM {source}")
+        _PG_ATTEMPT_INSERTS[columns] = statement
+    return statement
 
 
 async def insert_attempts(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    if rows:
+    """Insert attempt rows (each with the same columns). On PostgreSQL one statement per batch
+    reads them from a JSON array: a statement per row cost the daemon about 24 µs of CPU and
+    the server 23 µs per row, the array 12 and 17 (docs/performance.md)."""
+    if not rows:
+        return
+    if _is_pg(conn):
+        await conn.execute(_pg_attempt_insert(tuple(rows[0])), {"rows": json.dumps(list(rows))})
+    else:
         await conn.execute(_INSERT_ATTEMPTS, list(rows))
 
 

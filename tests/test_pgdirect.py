@@ -86,3 +86,28 @@ async def test_a_failed_transaction_writes_nothing_and_a_lost_connection_is_reop
 
 def test_sqlite_keeps_sqlalchemy(sqlite_url) -> None:
     assert DirectConnection.of(make_async_engine(sqlite_url), Settings()) is None
+
+
+async def test_attempt_rows_read_back_as_written_on_both_databases(engine) -> None:
+    """A batch of attempt rows (PostgreSQL: one INSERT from a JSON array) reads back value for
+    value: extreme integers, exact floats, booleans, NULLs and text JSON must escape."""
+    texts = ['quote " backslash \\ slash /', "line\nbreak\ttab", "ünïcödé ✓ \u2028 😀", "{\"not\": [json]}"]
+    rows = [{"message_id": 2**62 + i, "tenant_id": texts[i % 4], "url": "https://buyer.example/hook",
+             "attempt_number": i + 1, "outcome": ("success", "http_error", "timeout")[i % 3],
+             "http_status": None if i % 3 == 2 else 200 + i, "error": texts[(i + 1) % 4] if i % 2 else None,
+             "response_time_ms": 2**31 - 1 - i, "will_retry": bool(i % 2),
+             "next_retry_at": 1_764_000_000.123456 + i / 7 if i % 2 else None, "payload_size": i * 1000,
+             "sequence_number": 2**63 - 1 - i if i % 2 else None, "idempotency_key": f"whk_{i:036d}",
+             "notification_type": "scheduled" if i % 2 else None, "trigger": "scheduled", "daemon_id": "host:1:ab",
+             "occurred_at": 1_764_000_000.987654321 + i, "trace_id": None, "span_id": None,
+             "response_excerpt": texts[i % 4]} for i in range(8)]
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            await store.insert_attempts(conn, rows)
+    finally:
+        await async_engine.dispose()
+    columns = [attempts.c[name] for name in rows[0]]
+    with engine.connect() as conn:
+        stored = [dict(r._mapping) for r in conn.execute(select(*columns).order_by(attempts.c.message_id))]
+    assert stored == rows
