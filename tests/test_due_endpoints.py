@@ -203,7 +203,9 @@ async def _replay_history(pg_engine: Any, ops: Sequence[tuple[str, int, Any]]) -
                                       "next_attempt_at) VALUES (:t, :u, :k, 'x', extract(epoch from now()) + :d)"),
                                  {"t": f"t{n}", "u": ORIGIN + "/hook", "k": uuid.uuid4().hex, "d": arg})
             elif op == "claim":
-                held += await _claim(engine, limit=n, cap=arg, held=held)
+                batch = await _claim(engine, limit=n, cap=arg, held=held)
+                assert not batch.contended, "a claim no other claim races comes back whole"
+                held += batch
             elif op in ("retry", "deliver") and held:
                 done = [held.pop(n % len(held))]
                 await _complete(engine, done, "pending" if op == "retry" else "delivered", next_in=arg)
