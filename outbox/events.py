@@ -52,7 +52,7 @@ _SET_PER_FIRE = ("idempotency_key", "notification_id", "fired_at", "subscriber_i
 @functools.lru_cache(maxsize=8)
 def _fan_out_query(pg: bool, scoped: bool) -> Select[Any]:
     """The subscribers an event fans out to (``:tenant``, ``:account``, ``:owner`` when
-    ``scoped``), built once: building it per call cost about 0.3 ms of the enqueue (profiled).
+    ``scoped``), built once: building it per call cost about 0.2 ms of Python (cProfile).
 
     On PostgreSQL the rows are read ``FOR SHARE``: a proof settling concurrently waits for
     this transaction (and then releases the fires it holds), or this one reads the subscriber
@@ -64,6 +64,17 @@ def _fan_out_query(pg: bool, scoped: bool) -> Select[Any]:
              .order_by(subscribers.c.subscriber_id))
     if scoped:
         query = query.where(subscribers.c.principal_id == bindparam("owner"))
+    return query.with_for_update(read=True) if pg else query
+
+
+@functools.lru_cache(maxsize=2)
+def _subscriber_query(pg: bool) -> Select[Any]:
+    """One subscriber (``:tenant``, ``:account``, ``:subscriber``), built once like
+    :func:`_fan_out_query`; read ``FOR SHARE`` on PostgreSQL, so a concurrent revocation waits
+    or runs first and is seen."""
+    query = select(subscribers).where(subscribers.c.tenant_id == bindparam("tenant"),
+                                      subscribers.c.account_id == bindparam("account"),
+                                      subscribers.c.subscriber_id == bindparam("subscriber"))
     return query.with_for_update(read=True) if pg else query
 
 
@@ -180,11 +191,8 @@ def enqueue_subscriber_body(
     event_id = content.get("notification_id")
     _check_string(event_id, "body.notification_id", protocol.NOTIFICATION_ID_RE)
     connection = _connection(conn)
-    query = select(subscribers).where(subscribers.c.tenant_id == tenant, subscribers.c.account_id == account,
-                                      subscribers.c.subscriber_id == wanted)
-    if connection.dialect.name == "postgresql":
-        query = query.with_for_update(read=True)  # a concurrent revocation waits, or runs first and is seen
-    row = connection.execute(query).first()
+    row = connection.execute(_subscriber_query(connection.dialect.name == "postgresql"),
+                             {"tenant": tenant, "account": account, "subscriber": wanted}).first()
     if (row is None or row.state not in ("active", "pending_proof") or row.principal_id != owner
             or notification_type not in json.loads(row.event_types)):
         raise SubscriberUnavailable("subscriber_id", f"{wanted!r} is not an active {notification_type} subscriber "

@@ -16,10 +16,12 @@ to save, so both take the same steps one statement at a time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, bindparam, text
+from sqlalchemy.dialects import postgresql
 
 from outbox.identity import (
     EnqueuedMessage,
@@ -50,9 +52,9 @@ _NEXT_SEQUENCE = text(_ALLOCATE.format(unless=""))
 _GIVE_BACK = text(
     "UPDATE outbox_sequences SET last_value = last_value - 1 WHERE stream_key = :stream_key AND last_value = :n"
 )
-# Filled in by the statement itself: the number, the body around it and the body's digest.
-_SPLICED = frozenset({"body", "body_sha256", "sequence_number"})
-_STATEMENTS: dict[tuple[str, ...], TextClause] = {}
+# Filled in by the statement itself: the body around the number and the body's digest.
+_SPLICED = ("body", "body_sha256")
+_PG = postgresql.dialect()
 
 
 def _head(body: bytes) -> bytes:
@@ -105,10 +107,12 @@ def store_numbered(connection: Connection, row: Mapping[str, Any], keys: Sealing
 def _in_one_statement(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None,
                       stream: str, legacy_stream: str) -> EnqueuedMessage | None:
     """The report stored, or its stored twin; ``None`` when the key was taken but its row is gone."""
-    values = {name: value for name, value in stored_values(connection, row, keys).items() if name not in _SPLICED}
+    # The body and its digest are made by the statement: no digest of the placeholder's body.
+    stored = stored_values(connection, {**row, "body": b""}, keys)
+    values = {name: value for name, value in stored.items() if name not in _SPLICED}
     params = {**values, "stream_key": stream, "legacy_key": legacy_stream, "head": _head(row["body"]),
               "close": _CLOSE}
-    result = connection.execute(_statement(connection, tuple(values)), params).one()
+    result = connection.execute(_statement(tuple(values)), params).one()
     if result.stored_id is not None:
         return EnqueuedMessage(result.stored_id, row["idempotency_key"], result.allocated)
     if result.allocated is not None:  # the insert found the key taken: a twin committed meanwhile
@@ -117,13 +121,11 @@ def _in_one_statement(connection: Connection, row: Mapping[str, Any], keys: Seal
     return bound_record(connection, row["tenant_id"], row["idempotency_key"], row["material"], keys)
 
 
-def _statement(connection: Connection, columns: tuple[str, ...]) -> TextClause:
+@functools.lru_cache(maxsize=16)
+def _statement(columns: tuple[str, ...]) -> TextClause:
     """The one statement, per set of inserted columns (a schema one migration behind has fewer)."""
-    statement = _STATEMENTS.get(columns)
-    if statement is not None:
-        return statement
-    quote = connection.dialect.identifier_preparer.quote
-    casts = ", ".join(f"CAST(:{name} AS {messages.c[name].type.compile(connection.dialect)})" for name in columns)
+    quote = _PG.identifier_preparer.quote
+    casts = ", ".join(f"CAST(:{name} AS {messages.c[name].type.compile(_PG)})" for name in columns)
     sql = f"""
         WITH taken AS MATERIALIZED (
             SELECT 1 FROM outbox_messages WHERE tenant_id = :tenant_id AND idempotency_key = :idempotency_key
@@ -140,8 +142,6 @@ def _statement(connection: Connection, columns: tuple[str, ...]) -> TextClause:
             ON CONFLICT DO NOTHING RETURNING id
         )
         SELECT (SELECT n FROM rendered) AS allocated, (SELECT id FROM stored) AS stored_id"""
-    statement = text(sql).bindparams(
+    return text(sql).bindparams(
         *(bindparam(name, type_=messages.c[name].type) for name in columns),
         bindparam("head", type_=messages.c.body.type), bindparam("close", type_=messages.c.body.type))
-    _STATEMENTS[columns] = statement
-    return statement

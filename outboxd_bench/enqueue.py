@@ -32,25 +32,25 @@ DELIVERY = {"notification_type": "scheduled", "reporting_period": {"start": "202
 STATUS_EVENT = {"account_id": ACCOUNT, "previous_status": "pending_approval", "status": "active",
                 "observed_at": "2026-12-01T10:00:00Z", "reason_code": "seller_approved"}
 MAX_ADDED_RATIO = 0.5  # outboxd's added p50 against the SDK's
-PSYCOPG_PREPARE_THRESHOLD = 5  # psycopg's default: a statement run this often is prepared
 
 
 def seller_driver_options(settings: Any) -> dict[str, Any]:
-    """The psycopg options of a seller's own connections: its defaults, unless behind a pooler."""
-    return {"prepare_threshold": None if settings.database_pooler == "transaction" else PSYCOPG_PREPARE_THRESHOLD}
+    """The psycopg options of a seller's own connections: psycopg's defaults, and no prepared
+    statements behind a transaction pooler (docs/pooler.md)."""
+    return {"prepare_threshold": None} if settings.database_pooler == "transaction" else {}
 
 
 def phase_enqueue(bench: Bench) -> dict[str, Any]:
-    from sqlalchemy import text
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
 
     import outbox
     from outbox.config import with_overrides
-    from outbox.db import make_engine
 
     bench.truncate()
     # The seller's own engine (docs/enqueue.md), not the bench's pooler-safe one.
-    seller_engine = make_engine(bench.settings.database_url, pool_size=1,
-                                connect_args=seller_driver_options(bench.settings))
+    seller_engine = create_engine(make_url(bench.settings.database_url).set(drivername="postgresql+psycopg"),
+                                  pool_size=1, connect_args=seller_driver_options(bench.settings))
     # a subscriber's URL proof names the seller agent (never reached here: the proof is skipped)
     settings = with_overrides(bench.producer_settings, seller_agent_url="https://seller.example/adcp")
     with bench.engine.begin() as conn:
@@ -106,7 +106,7 @@ def phase_enqueue(bench: Bench) -> dict[str, Any]:
     p99 = {name: round(percentile(values, 99), 3) for name, values in samples.items()}
     added = {name: round(p50[name] - p50["alone"], 3) for name in ("task_webhook", "delivery_report", "event")}
     result: dict[str, Any] = {"rounds": rounds, "p50_ms": p50, "p99_ms": p99, "added_p50_ms": added,
-                              "prepare_threshold": seller_driver_options(bench.settings)["prepare_threshold"]}
+                              "prepared_statements": not seller_driver_options(bench.settings)}
     if peer is not None:
         sdk = round(p50["sdk_enqueue_terminal"] - p50["sdk_alone"], 3)
         result["sdk_added_p50_ms"] = sdk
@@ -192,8 +192,8 @@ def enqueue_targets(f: dict[str, Any]) -> list[tuple[str, Any, str, bool]]:
 
 def render_enqueue(phase: dict[str, Any]) -> list[str]:
     p50, p99 = phase["p50_ms"], phase["p99_ms"]
-    prepared = phase.get("prepare_threshold")
-    driver = "psycopg's default statement preparation" if prepared else "no prepared statements (pooler)"
+    driver = ("psycopg's default statement preparation" if phase.get("prepared_statements")
+              else "no prepared statements (pooler)")
     lines = [f"ENQUEUE: a committed seller transaction (one UPDATE), {phase['rounds']:,} interleaved rounds, "
              f"both sides with {driver}",
              f"  {'':46}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>11}"]
