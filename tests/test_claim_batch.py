@@ -42,11 +42,11 @@ class Recorder:
         return {o.message.id for o in self.outcomes if o.action == "release"}
 
 
-async def _run(pg_url: str, recorder: Recorder, until, **env: str) -> None:
+async def _run(pg_url: str, recorder: Recorder, until, *, metrics: Metrics | None = None, **env: str) -> None:
     settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": pg_url, **env})
     engine = make_async_engine(pg_url)
-    claimer = Claimer(engine, settings=settings, daemon_id="unit", metrics=Metrics(), attempt=recorder.attempt,
-                      submit=recorder.outcomes.append, outage=OutageGuard(60))
+    claimer = Claimer(engine, settings=settings, daemon_id="unit", metrics=metrics or Metrics(),
+                      attempt=recorder.attempt, submit=recorder.outcomes.append, outage=OutageGuard(60))
     task = asyncio.create_task(claimer.run())
     try:
         deadline = time.monotonic() + 30
@@ -129,3 +129,30 @@ async def test_a_failed_probe_leaves_nothing_of_its_batch_leased_unstarted(pg_en
     assert set(recorder.started) == {rows[f"good{i}"].id for i in range(4)}
     assert rows["bad"].id in recorder.released() and rows["bad"].id not in recorder.started
     assert leased <= set(recorder.started) | recorder.released(), "a leased row was neither started nor handed back"
+
+
+async def test_rows_another_claim_holds_are_taken_soon_after_it_lets_go_without_spinning(pg_engine, pg_url) -> None:
+    """Another daemon's claim holds the only due rows for 0.8 s, so every claim of this one
+    comes back contended and empty. It claims again at once, then backs off (doubling): it
+    takes the rows long before its poll (30 s here, to tell the two apart) and makes a few
+    claims, not hundreds, while they are held."""
+    enqueue_batch(pg_engine, [(f"t{i}", URL, message_key("held", i)) for i in range(5)])
+    hold_seconds = 0.8
+
+    def hold() -> float:
+        with pg_engine.begin() as conn:
+            conn.execute(text("SELECT id FROM outbox_messages FOR UPDATE"))
+            time.sleep(hold_seconds)
+            return time.time()
+
+    recorder, metrics = Recorder(), Metrics()
+    holder = asyncio.get_running_loop().run_in_executor(None, hold)
+    await asyncio.sleep(0.1)  # the rows are held before the first claim
+    await _run(pg_url, recorder, lambda: len(recorder.started) >= 5, metrics=metrics,
+               OUTBOX_POLL_INTERVAL_SECONDS="30")
+    released = await holder
+    assert len(recorder.started) == 5
+    # The pause doubles from 10 ms: at most ~0.64 s when the rows are let go, far from the poll.
+    assert max(recorder.started.values()) - released < 2.0, "the claimer waited for its poll"
+    claims = metrics.registry.get_sample_value("outbox_claim_batch_size_count")
+    assert claims <= 20, f"{claims:.0f} claims in {hold_seconds} s: the claimer spun on locked rows"

@@ -10,7 +10,8 @@ requests, twice that with the messages waiting, and three times that in leases w
 completer falls behind) and takes the half-open probe.
 
 A claim runs on new work (a NOTIFY), on the poll, at the earliest retry's time, at once
-after a full batch, and when a request ends while the last claim left due work behind
+after a full batch, soon after one that another daemon's claim contended (at once, then
+backing off), and when a request ends while the last claim left due work behind
 (a full batch, or an origin at its budget) and that origin's queue has run low: never after
 a fixed pause, so a message committed alone is claimed as soon as its NOTIFY arrives.
 """
@@ -18,6 +19,7 @@ a fixed pause, so a message committed alone is claimed as soon as its NOTIFY arr
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager, nullcontext
@@ -39,6 +41,7 @@ from supervisor.cycle.pgdirect import DirectConnection
 
 Attempt = Callable[[Claimed], Awaitable[Outcome]]
 BACKLOG_RECHECK_SECONDS = 0.05
+CONTENDED_BACKOFF_SECONDS = 0.01  # the first pause after contended claims in a row; it doubles up to a poll
 CLAIMING = "claim messages"  # the outage guard's name for this activity
 LEASE_ROUNDS = 2  # leases per origin (and in all) per round of requests: one running, one waiting
 
@@ -112,7 +115,7 @@ class Claimer:
         self._wake.set()
 
     async def run(self) -> None:
-        retried = False  # the last claim was a retry of a contended one
+        contended = 0  # contended claims in a row
         while not self._stopping:
             # Every lease counts: requests open and messages waiting their turn, within two
             # rounds of the concurrency, and outcomes the completer has not recorded yet past
@@ -129,22 +132,24 @@ class Claimer:
             timeout = self._settings.poll_interval_seconds
             try:
                 batch = await self._claim(limit)
-                # Another daemon's claim took or held rows this one read: claim again at once,
-                # once. A second contended claim in a row waits like a partial one, so rows a
-                # long transaction keeps locked never make the claimer spin.
-                retry = batch.contended and not retried and len(batch) < limit
-                retried = retry
-                if len(batch) == limit or retry:
-                    self._outage.ok(CLAIMING)
+                contended = contended + 1 if batch.contended and len(batch) < limit else 0
+                self._outage.ok(CLAIMING)
+                if len(batch) == limit or contended == 1:
                     continue  # more may be due: claim again at once
-                if not batch and not self._tasks and not self._dispatch.queued:
+                if contended:
+                    # Another daemon's claims keep taking or holding the rows this one reads:
+                    # there is due work, so the poll is too long to wait, but claiming again at
+                    # once could spin on rows a long transaction keeps locked. Back off,
+                    # doubling, with jitter so two daemons' claims drift apart.
+                    backoff = CONTENDED_BACKOFF_SECONDS * 2 ** min(contended - 2, 16)
+                    timeout = min(timeout, backoff * random.uniform(0.5, 1.0))
+                elif not batch and not self._tasks and not self._dispatch.queued:
                     # idle: sleep until the earliest retry, at most a poll
                     next_due, now = await self._next_due()
                     if next_due is not None and next_due > now:
                         timeout = min(timeout, next_due - now)
                 # A partial batch took everything that may go now; a NOTIFY, a request ending
                 # with work left behind, the poll or the earliest retry brings the rest.
-                self._outage.ok(CLAIMING)
             except Exception as exc:
                 await self._outage.failed(CLAIMING, exc)
                 continue
