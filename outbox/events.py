@@ -47,6 +47,10 @@ from outbox.schema import subscribers
 from outbox.subscribers import HOLD_UNTIL, open_credential
 
 _SET_PER_FIRE = ("idempotency_key", "notification_id", "fired_at", "subscriber_id")
+# The states whose subscribers are sent an event: active ones, and pending ones (their fires
+# held until the URL proof settles).
+_RECEIVING = ("active", "pending_proof")
+_RECEIVING_SQL = "outbox_subscribers.state IN ({})".format(", ".join(f"'{state}'" for state in _RECEIVING))
 
 
 @functools.lru_cache(maxsize=8)
@@ -60,7 +64,7 @@ def _fan_out_query(pg: bool, scoped: bool) -> Select[Any]:
     """
     query = (select(subscribers)
              .where(subscribers.c.tenant_id == bindparam("tenant"), subscribers.c.account_id == bindparam("account"),
-                    text("outbox_subscribers.state IN ('active', 'pending_proof')"))
+                    text(_RECEIVING_SQL))
              .order_by(subscribers.c.subscriber_id))
     if scoped:
         query = query.where(subscribers.c.principal_id == bindparam("owner"))
@@ -193,7 +197,7 @@ def enqueue_subscriber_body(
     connection = _connection(conn)
     row = connection.execute(_subscriber_query(connection.dialect.name == "postgresql"),
                              {"tenant": tenant, "account": account, "subscriber": wanted}).first()
-    if (row is None or row.state not in ("active", "pending_proof") or row.principal_id != owner
+    if (row is None or row.state not in _RECEIVING or row.principal_id != owner
             or notification_type not in json.loads(row.event_types)):
         raise SubscriberUnavailable("subscriber_id", f"{wanted!r} is not an active {notification_type} subscriber "
                                                      "of this principal")

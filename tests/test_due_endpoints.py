@@ -129,7 +129,6 @@ async def test_new_work_behind_a_backoff_or_a_closed_breaker_goes_at_once(pg_eng
         await engine.dispose()
 
 
-
 async def test_a_claim_that_another_holds_rows_of_comes_back_contended(pg_engine):
     """Two daemons' claims read the same heads: the one that finds them locked leases nothing
     and says so, and its next claim takes what is left once the other has committed."""
@@ -150,6 +149,7 @@ async def test_a_claim_that_another_holds_rows_of_comes_back_contended(pg_engine
         assert await _claim(engine, daemon="d3") == []
     finally:
         await engine.dispose()
+
 
 async def test_the_tables_empty_once_nothing_is_pending(pg_engine):
     engine = make_async_engine(_url(pg_engine))

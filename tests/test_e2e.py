@@ -173,7 +173,6 @@ def test_several_daemons_never_share_a_message(pg_engine, pg_url, tmp_path, keyp
     assert len(shares) == daemons and min(shares.values()) >= total / daemons / 4, shares
 
 
-
 def _listening(engine) -> int:
     """Connections waiting on a LISTEN: one per idle daemon (and channel) that a commit wakes."""
     with engine.connect() as conn:
@@ -188,7 +187,7 @@ def test_idle_daemons_woken_by_one_commit_share_one_origin(pg_engine, pg_url, tm
     key, jwks = keypair
     total = 3000
     with procs.receiver(tmp_path, jwks) as (port, log):
-        env = procs.daemon_env(pg_url, key, poll_interval_seconds=1)
+        env = procs.daemon_env(pg_url, key)
         running = [procs.start_daemon(env, tmp_path / f"d{i}.log") for i in range(2)]
         try:
             assert procs.wait_until(lambda: _listening(pg_engine) >= 2, 30), "the daemons should be listening"
@@ -201,6 +200,7 @@ def test_idle_daemons_woken_by_one_commit_share_one_origin(pg_engine, pg_url, tm
         shares = dict(conn.execute(select(attempts.c.daemon_id, func.count()).where(attempts.c.outcome == "success")
                                    .group_by(attempts.c.daemon_id)).all())
     assert len(shares) == 2 and min(shares.values()) >= total / 8, shares
+
 
 def test_breaker_isolates_a_failing_tenant_at_constant_cost(pg_engine, pg_url, tmp_path, keypair):
     """A dead endpoint with 2,000 pending messages, default breaker settings: it trips within

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import protocol
 from outbox.config import Settings
-from outbox.schema import attempts, messages, subscribers
+from outbox.schema import SUBSCRIBER_STATES, attempts, messages, subscribers
 from outbox.subscribers import Subscriber, _record
 from outbox.urls import public_url
 from supervisor.cli.common import Subcommands, UsageError, UserError, positive_int, print_json, run_async, table
@@ -121,6 +121,6 @@ def register(add: Subcommands) -> None:
     p.add_argument("subscriber", nargs="?", metavar="SUBSCRIBER_ID", help="show: the subscriber_id")
     p.add_argument("--tenant", help="tenant id")
     p.add_argument("--account", help="account id")
-    p.add_argument("--state", choices=["pending_proof", "active", "paused", "proof_failed"], help="list: by state")
+    p.add_argument("--state", choices=SUBSCRIBER_STATES, help="list: by state")
     p.add_argument("--limit", type=positive_int, default=100, help="list: at most this many (default 100)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -132,7 +132,7 @@ class Claimer:
             timeout = self._settings.poll_interval_seconds
             try:
                 batch = await self._claim(limit)
-                contended = contended + 1 if batch.contended and len(batch) < limit else 0
+                contended = contended + 1 if batch.contended else 0  # contended: fewer than it meant to
                 self._outage.ok(CLAIMING)
                 if len(batch) == limit or contended == 1:
                     continue  # more may be due: claim again at once
