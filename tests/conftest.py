@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 
@@ -73,37 +75,63 @@ def ts_sdk_version() -> str:
     return ts_sdk.install()
 
 
-def _truncate(engine: Engine) -> None:
+# Every table a test may write, in an order that empties them all: outbox_breakers' delete
+# trigger records an arrival, so the due tables come after it.
+_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_breaker_transitions",
+           "outbox_signing_keys", "outbox_subscribers", "outbox_encryption_keys", "outbox_encryption_readers",
+           "outbox_endpoint_stats", "outbox_operator_events", "outbox_jobs", "outbox_job_items",
+           "outbox_due_origins", "outbox_due_endpoints", "outbox_due_arrivals")
+# Above this many rows deleted from a table, it is vacuumed as well, so that the next test
+# does not read what this one left dead.
+_VACUUM_AFTER_ROWS = 1_000
+
+
+def _empty(engine: Engine) -> None:
+    """Empty the run's PostgreSQL database for the next test, identities restarted at 1.
+
+    Deletes rather than truncates: a ``TRUNCATE`` of these tables makes new files for each
+    of them, their indexes and the attempt partitions, 0.3-0.5 s a test on a 2-core box,
+    where deleting the few rows a test wrote takes milliseconds.
+    """
     with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
-            conn.exec_driver_sql(
-                "TRUNCATE outbox_messages, outbox_attempts, outbox_sequences, outbox_breakers, outbox_breaker_transitions, "
-                "outbox_signing_keys, outbox_subscribers, outbox_encryption_keys, outbox_encryption_readers, "
-                "outbox_endpoint_stats, outbox_operator_events, outbox_jobs, outbox_job_items, "
-                "outbox_due_origins, outbox_due_endpoints, outbox_due_arrivals"
-                " RESTART IDENTITY"
-            )
-        else:
-            for table in ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
-                          "outbox_breaker_transitions", "outbox_signing_keys", "outbox_subscribers",
-                          "outbox_encryption_keys", "outbox_encryption_readers",
-                          "outbox_endpoint_stats", "outbox_operator_events", "outbox_jobs", "outbox_job_items"):
-                conn.exec_driver_sql(f"DELETE FROM {table}")
+        deleted = {table: conn.exec_driver_sql(f"DELETE FROM {table}").rowcount for table in _TABLES}
+        # What TRUNCATE ... RESTART IDENTITY restarts: the sequences these tables own.
+        conn.exec_driver_sql(
+            "SELECT setval(d.objid::regclass, 1, false) FROM pg_depend AS d "
+            "JOIN pg_class AS s ON s.oid = d.objid AND s.relkind = 'S' "
+            "WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass "
+            "AND d.deptype IN ('a', 'i') AND d.refobjid = ANY(%(tables)s::regclass[])", {"tables": list(_TABLES)})
+    large = [table for table, rows in deleted.items() if rows > _VACUUM_AFTER_ROWS]
+    if large:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(f"VACUUM {', '.join(large)}")
 
 
 @pytest.fixture
 def pg_engine(pg_url: str) -> Iterator[Engine]:
     engine = make_engine(pg_url)
-    _truncate(engine)
+    _empty(engine)
     yield engine
     engine.dispose()
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One migrated SQLite database per run, which each test copies (migrating takes ~0.2 s)."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "outbox.db"
+    engine = make_engine(f"sqlite:///{path}")
+    upgrade(engine)
+    engine.dispose()
+    return path
+
+
 @pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'outbox.db'}"
-    upgrade(make_engine(url))
-    return url
+def sqlite_url(tmp_path: Path, sqlite_template: Path) -> str:
+    """A migrated SQLite database of the test's own: a copy of the run's template."""
+    target = tmp_path / "outbox.db"
+    with closing(sqlite3.connect(sqlite_template)) as source, closing(sqlite3.connect(target)) as copy:
+        source.backup(copy)
+    return f"sqlite:///{target}"
 
 
 @pytest.fixture
