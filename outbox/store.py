@@ -232,6 +232,23 @@ class ClaimedBatch(list[Claimed]):
     contended: bool = False
 
 
+def _in_claim_order(rows: Iterable[Any]) -> list[Any]:
+    """Leased rows in the order the claim picked them: each endpoint's oldest due first, and
+    an origin's endpoints taking turns (first of each, then second of each).
+
+    An UPDATE's RETURNING comes in whatever order its plan meets the rows (a hash join meets
+    them in storage order, which updates and reused space shuffle), so the order is restored
+    here; the dispatcher starts each origin's messages in the order it is handed them.
+    """
+    by_due = sorted(rows, key=lambda r: (r.next_attempt_at, r.id))
+    turns: dict[tuple[str, str | None], int] = {}
+    ranked = []
+    for row in by_due:
+        turn = turns[(row.tenant_id, row.origin)] = turns.get((row.tenant_id, row.origin), 0) + 1
+        ranked.append((turn, row))
+    return [row for _, row in sorted(ranked, key=lambda pair: pair[0])]  # stable: due order within a turn
+
+
 async def claim(
     conn: AsyncConnection,
     *,
@@ -283,7 +300,8 @@ async def claim(
             claim_sent=sent,
             traceparent=r.traceparent, subscriber_ref=r.subscriber_ref,
         )
-        for r in rows if r.id is not None  # PostgreSQL's row of the count alone: nothing leased
+        # Without an id: PostgreSQL's row of the count alone, nothing leased.
+        for r in _in_claim_order(r for r in rows if r.id is not None)
     )
     batch.contended = _is_pg(conn) and bool(rows) and len(batch) < rows[0].wanted
     return batch
