@@ -8,6 +8,7 @@ about half a second), so a test pays for node once however many webhooks it veri
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import shutil
 import subprocess
@@ -36,15 +37,18 @@ class Captured:
 def install() -> str:
     """The pinned SDK's version, after ``npm ci`` if it is not installed yet; fails the run
     (never skips it) when npm is absent or the install fails."""
-    if not PACKAGE.is_file():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.fail("npm is not installed: the TypeScript @adcp/sdk checks need node and npm (see .ci/run)",
-                        pytrace=False)
-        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
-                              text=True, timeout=600)
-        if done.returncode != 0:
-            pytest.fail(f"npm ci in {NODE_DIR} failed: {done.stderr.strip()[-500:]}", pytrace=False)
+    # The suite's workers may all get here at once: one installs, the others wait for it.
+    with open(NODE_DIR / "package-lock.json", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not PACKAGE.is_file():
+            npm = shutil.which("npm")
+            if npm is None:
+                pytest.fail("npm is not installed: the TypeScript @adcp/sdk checks need node and npm (see .ci/run)",
+                            pytrace=False)
+            done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
+                                  text=True, timeout=600)
+            if done.returncode != 0:
+                pytest.fail(f"npm ci in {NODE_DIR} failed: {done.stderr.strip()[-500:]}", pytrace=False)
     return str(json.loads(PACKAGE.read_text())["version"])
 
 
