@@ -73,13 +73,18 @@ async def test_claim_applies_origin_capacity_fairly_and_oldest_first(engine):
         await aengine.dispose()
 
 
-async def test_a_claim_hands_back_each_endpoints_messages_oldest_first_whatever_the_rows_storage_order(engine):
+async def test_a_claim_hands_back_its_batch_in_turn_order_whatever_the_rows_storage_order(engine):
     """Rows updated in place move within the table (a retry, a replay, a dead row's space
-    reused), so the order the UPDATE meets them in is not their due order; the batch must be."""
+    reused), so the order the UPDATE meets them in is not their due order; the batch must
+    still come back as the claim picked it: each endpoint's oldest first, the endpoints of
+    an origin taking turns."""
     url = "https://ordered.example.com/hook"
-    enqueue_batch(engine, [("t1", url, message_key("ordered", i)) for i in range(40)])
-    with engine.begin() as conn:  # new versions of the oldest rows, stored newest first after the others
-        for row in reversed(conn.execute(select(messages.c.id).order_by(messages.c.id).limit(16)).scalars().all()):
+    for tenant in ("t1", "t2"):
+        enqueue_batch(engine, [(tenant, url, message_key(tenant, i)) for i in range(20)])
+    with engine.begin() as conn:  # new versions of each tenant's oldest rows, stored newest first after the rest
+        oldest = conn.execute(select(messages.c.id).where(messages.c.idempotency_key.in_(
+            [message_key(t, i) for t in ("t1", "t2") for i in range(8)]))).scalars().all()
+        for row in sorted(oldest, reverse=True):
             conn.execute(update(messages).where(messages.c.id == row).values(last_error="touched"))
     aengine = make_async_engine(_url(engine))
     try:
@@ -91,7 +96,7 @@ async def test_a_claim_hands_back_each_endpoints_messages_oldest_first_whatever_
     finally:
         await aengine.dispose()
     keys = [m.idempotency_key for m in claimed]
-    assert keys == [message_key("ordered", i) for i in range(16)], keys
+    assert keys == [message_key(t, i) for i in range(8) for t in ("t1", "t2")], keys
 
 
 async def test_claim_passes_over_an_open_breaker_and_takes_one_probe_after_it(engine):
