@@ -17,6 +17,7 @@ import functools
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,12 +242,12 @@ def _in_claim_order(rows: Iterable[Any]) -> list[Any]:
     here; the dispatcher starts each origin's messages in the order it is handed them.
     """
     by_due = sorted(rows, key=lambda r: (r.next_attempt_at, r.id))
-    turns: dict[tuple[str, str | None], int] = {}
-    ranked = []
+    taken: Counter[tuple[str, str | None]] = Counter()
+    turn: dict[int, int] = {}
     for row in by_due:
-        turn = turns[(row.tenant_id, row.origin)] = turns.get((row.tenant_id, row.origin), 0) + 1
-        ranked.append((turn, row))
-    return [row for _, row in sorted(ranked, key=lambda pair: pair[0])]  # stable: due order within a turn
+        taken[(row.tenant_id, row.origin)] += 1
+        turn[row.id] = taken[(row.tenant_id, row.origin)]
+    return sorted(by_due, key=lambda r: turn[r.id])  # stable: due order within a turn
 
 
 async def claim(
