@@ -281,12 +281,15 @@ async def claim(
     """
     sent = time.monotonic() if sent is None else sent
     token = uuid.uuid4().hex
-    if _is_pg(conn):
-        await conn.execute(sql(conn).gather_due)
-    result = await conn.execute(sql(conn).claim, {
-        "limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
-        "token": token, "cap": endpoint_concurrency, "held": json.dumps(dict(held or {})),
-    })
+    params = {"limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
+              "token": token, "cap": endpoint_concurrency, "held": json.dumps(dict(held or {}))}
+    pipelined = getattr(conn, "execute_after", None)  # the daemon's own psycopg connection
+    if pipelined is not None:  # due arrivals folded in and the claim: one round trip, one commit
+        result = await pipelined(sql(conn).gather_due, sql(conn).claim, params)
+    else:
+        if _is_pg(conn):
+            await conn.execute(sql(conn).gather_due)
+        result = await conn.execute(sql(conn).claim, params)
     rows = list(result)
     batch = ClaimedBatch(
         Claimed(

@@ -84,6 +84,36 @@ async def test_a_failed_transaction_writes_nothing_and_a_lost_connection_is_reop
         await engine.dispose()
 
 
+async def test_a_pipelined_pair_is_one_transaction_and_a_failed_first_statement_leaves_both_undone(
+        pg_engine, pg_url) -> None:
+    """``execute_after`` (the claim's fold, then the claim) commits both statements together or
+    neither, and the connection serves the next statement either way."""
+    with pg_engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS direct_pair (tx text)"))
+        conn.execute(text("DELETE FROM direct_pair"))
+    engine = make_async_engine(pg_url)
+    direct = DirectConnection.of(engine, Settings())
+    assert direct is not None
+    try:
+        first = text("INSERT INTO direct_pair VALUES (pg_current_xact_id()::text)")
+        second = text("SELECT pg_current_xact_id()::text AS tx, CAST(:n AS int) + 1 AS n")
+        result = await direct.execute_after(first, second, {"n": 41})
+        (row,) = list(result)
+        assert row.n == 42
+        with pg_engine.connect() as conn:
+            assert conn.execute(text("SELECT tx FROM direct_pair")).scalars().all() == [row.tx]
+        with pytest.raises(Exception, match="division by zero"):
+            await direct.execute_after(text("INSERT INTO direct_pair VALUES (CAST(1 / 0 AS text))"), first)
+        with pytest.raises(Exception, match="division by zero"):  # the second fails: the first is undone
+            await direct.execute_after(first, text("SELECT 1 / 0 AS never"))
+        assert (await direct.execute(text("SELECT count(*) AS n FROM direct_pair"))).scalar_one() == 1
+    finally:
+        await direct.aclose()
+        await engine.dispose()
+        with pg_engine.begin() as conn:
+            conn.execute(text("DROP TABLE direct_pair"))
+
+
 def test_sqlite_keeps_sqlalchemy(sqlite_url) -> None:
     assert DirectConnection.of(make_async_engine(sqlite_url), Settings()) is None
 

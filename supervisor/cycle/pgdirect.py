@@ -77,6 +77,12 @@ class DirectResult:
         return self.one()[0]
 
 
+async def _result(cursor: AsyncRawCursor[Any]) -> DirectResult:
+    """The rows of the cursor's last statement (none for one that returns none)."""
+    rows = await cursor.fetchall() if cursor.description is not None else []
+    return DirectResult(rows, cursor.rowcount)
+
+
 def libpq_url(url: str) -> str:
     """A SQLAlchemy URL (``postgresql+psycopg://…``) as libpq takes it."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -110,34 +116,53 @@ class DirectConnection:
         """Run ``statement`` (a ``text()`` or an ``insert()`` of :mod:`outbox.schema`, kept for
         reuse: its rendering is cached by identity) with ``params``, or once per mapping of a
         list of them (no rows returned then)."""
-        conn = await self._connection()
-        try:
-            with self._deadline(conn):
-                async with AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
-                    if isinstance(params, Sequence):
-                        if params:
-                            sql, names = self._compiled(statement, params[0])
-                            await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
-                        return DirectResult([], cursor.rowcount)
-                    sql, names = self._compiled(statement, params)
-                    await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
-                    rows = await cursor.fetchall() if cursor.description is not None else []
-                    return DirectResult(rows, cursor.rowcount)
-        except BaseException as exc:
-            await self._forget_if_unusable(conn, exc)
-            raise
+        async with self._guarded() as conn, AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
+            if isinstance(params, Sequence):
+                if params:
+                    sql, names = self._compiled(statement, params[0])
+                    await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
+                return DirectResult([], cursor.rowcount)
+            await self._run(cursor, statement, params)
+            return await _result(cursor)
+
+    async def execute_after(self, first: ClauseElement, statement: ClauseElement,
+                            params: Mapping[str, Any] | None = None) -> DirectResult:
+        """Run ``first`` (no parameters, its rows dropped), then ``statement`` with ``params``,
+        in one round trip and one transaction (a pipeline with one sync point): one commit,
+        so one WAL flush, where two autocommit statements cost two of each.
+
+        The claim runs so, folded due arrivals first (:func:`outbox.store.claim`): at low
+        rates every message is claimed on its own and the flush is much of its wait
+        (docs/performance.md, "Where a lone message's time goes")."""
+        async with self._guarded() as conn, AsyncRawCursor(conn) as before, \
+                AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
+            async with conn.pipeline():
+                await self._run(before, first, None)
+                await self._run(cursor, statement, params)
+            return await _result(cursor)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator["DirectConnection"]:
         """Run the block's statements in one transaction (committed unless it raises)."""
+        async with self._guarded() as conn, conn.transaction():
+            yield self
+
+    @asynccontextmanager
+    async def _guarded(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """The connection, for a block held to the statement timeout; dropped if the block
+        leaves it broken or timed out."""
         conn = await self._connection()
         try:
             with self._deadline(conn):
-                async with conn.transaction():
-                    yield self
+                yield conn
         except BaseException as exc:
             await self._forget_if_unusable(conn, exc)
             raise
+
+    async def _run(self, cursor: AsyncRawCursor[Any], statement: ClauseElement,
+                   params: Mapping[str, Any] | None) -> None:
+        sql, names = self._compiled(statement, params)
+        await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
 
     @contextmanager
     def _deadline(self, conn: psycopg.AsyncConnection[Any]) -> Iterator[None]:
