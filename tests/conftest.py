@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import uuid
@@ -67,6 +68,30 @@ def fresh_db(pg_server_url: str) -> Iterator[str]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``session_end`` go last: what they wait for ran meanwhile."""
     items.sort(key=lambda item: item.get_closest_marker("session_end") is not None)  # stable
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A test marked ``slow`` (the chaos run) has the machine to itself; others share it.
+
+    Its bounds (how many leases SIGKILLed daemons leave behind) assume daemons that get the
+    CPU they ask for; beside another pytest-xdist worker's test on a 2-core machine the
+    completer lags and they do not. Every test takes a shared lock, a slow one an exclusive
+    one, in a directory all workers of the run share; a turnstile taken around each request
+    keeps the other worker's next test from slipping in ahead of a slow one that waits.
+    """
+    base = tmp_path_factory.getbasetemp().parent
+    alone = request.node.get_closest_marker("slow") is not None
+    with open(base / "outboxd-machine.lock", "a") as lock, open(base / "outboxd-machine.turnstile", "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
