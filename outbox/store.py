@@ -250,6 +250,19 @@ def _in_claim_order(rows: Iterable[Any]) -> list[Any]:
     return sorted(by_due, key=lambda r: turn[r.id])  # stable: due order within a turn
 
 
+async def _fold_and_claim(conn: AsyncConnection, params: Mapping[str, Any]) -> Any:
+    """PostgreSQL folds the due arrivals in (``gather_due``), then claims; SQLite claims.
+    On the daemon's own psycopg connection (supervisor/cycle/pgdirect.py) the two go in one
+    pipeline: one round trip and one commit."""
+    statements = sql(conn)
+    pipelined = getattr(conn, "execute_after", None)
+    if pipelined is not None:
+        return await pipelined(statements.gather_due, statements.claim, params)
+    if _is_pg(conn):
+        await conn.execute(statements.gather_due)
+    return await conn.execute(statements.claim, params)
+
+
 async def claim(
     conn: AsyncConnection,
     *,
@@ -283,14 +296,7 @@ async def claim(
     token = uuid.uuid4().hex
     params = {"limit": limit, "lease": lease_seconds, "horizon": horizon_seconds, "daemon": daemon_id,
               "token": token, "cap": endpoint_concurrency, "held": json.dumps(dict(held or {}))}
-    pipelined = getattr(conn, "execute_after", None)  # the daemon's own psycopg connection
-    if pipelined is not None:  # due arrivals folded in and the claim: one round trip, one commit
-        result = await pipelined(sql(conn).gather_due, sql(conn).claim, params)
-    else:
-        if _is_pg(conn):
-            await conn.execute(sql(conn).gather_due)
-        result = await conn.execute(sql(conn).claim, params)
-    rows = list(result)
+    rows = list(await _fold_and_claim(conn, params))
     batch = ClaimedBatch(
         Claimed(
             id=r.id, tenant_id=r.tenant_id, url=r.url, origin=endpoint_origin(r.url), stored_origin=r.origin,

@@ -79,8 +79,12 @@ def _machine_share(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     completer lags and they do not. Every test takes a shared lock, a slow one an exclusive
     one, in a directory all workers of the run share; a turnstile taken around each request
     keeps the other worker's next test from slipping in ahead of a slow one that waits.
+    In one process (``-n 0``) there is no other worker, and no lock.
     """
-    base = tmp_path_factory.getbasetemp().parent
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    base = tmp_path_factory.getbasetemp().parent  # the run's directory, above each worker's
     alone = request.node.get_closest_marker("slow") is not None
     with open(base / "outboxd-machine.lock", "a") as lock, open(base / "outboxd-machine.turnstile", "a") as turnstile:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
