@@ -156,3 +156,36 @@ async def test_rows_another_claim_holds_are_taken_soon_after_it_lets_go_without_
     assert max(recorder.started.values()) - released < 2.0, "the claimer waited for its poll"
     claims = metrics.registry.get_sample_value("outbox_claim_batch_size_count")
     assert claims <= 20, f"{claims:.0f} claims in {hold_seconds} s: the claimer spun on locked rows"
+
+
+class Paced(Recorder):
+    """Requests of 4 to 14 ms, varying by message, so that they end one by one, some while
+    a claim is out."""
+
+    async def attempt(self, message):
+        await asyncio.sleep(0.004 + 0.001 * (message.id * 7 % 11))
+        return await super().attempt(message)
+
+
+async def test_requests_ending_while_a_claim_refills_their_origin_do_not_earn_a_claim_of_their_own(
+        pg_engine, pg_url) -> None:
+    """A backlog on one origin, drained with the defaults (8 requests at a time, 16 leases):
+    the claimer refills the origin's queue when half a round or less waits, so each claim
+    takes at least the 4 slots that frees. Requests end one by one, some while a claim is
+    out; each asks for a refill, which that very claim provides. No claim in the middle of
+    the drain may take only the one or two slots freed meanwhile: that is a claim's whole
+    cost for a sliver of its work. Only the drain's last claim may take the one or two left."""
+    count = 200
+    enqueue_batch(pg_engine, [(f"t{i % 4}", URL, message_key("paced", i)) for i in range(count)])
+    recorder, metrics = Paced(), Metrics()
+    # A poll mid-drain (the machine slow) may claim a sliver on its own account: not under test.
+    await _run(pg_url, recorder, lambda: len(recorder.started) >= count, metrics=metrics,
+               OUTBOX_POLL_INTERVAL_SECONDS="30")
+    assert len(recorder.started) == count
+
+    def claims(at_most: int) -> float:
+        return metrics.registry.get_sample_value("outbox_claim_batch_size_bucket", {"le": f"{at_most:.1f}"})
+
+    slivers = claims(2) - claims(0)
+    total = metrics.registry.get_sample_value("outbox_claim_batch_size_count")
+    assert slivers <= 1, f"{slivers:.0f} of {total:.0f} claims took one or two rows of a backlog"

@@ -12,8 +12,9 @@ completer falls behind) and takes the half-open probe.
 A claim runs on new work (a NOTIFY), on the poll, at the earliest retry's time, at once
 after a full batch, soon after one that another daemon's claim contended (at once, then
 backing off), and when a request ends while the last claim left due work behind
-(a full batch, or an origin at its budget) and that origin's queue has run low: never after
-a fixed pause, so a message committed alone is claimed as soon as its NOTIFY arrives.
+(a full batch, or an origin at its budget) and that origin's queue has run low, if it still
+has when the claimer gets to it: never after a fixed pause, so a message committed alone is
+claimed as soon as its NOTIFY arrives.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ class Claimer:
         self._capped = True
         self._starved = False  # out of lease budget: a request ending or a flush may give some back
         self._wake = asyncio.Event()
+        # Why the claimer was woken: news (new work, budget back, a breaker's verdict, stop),
+        # which always earns a claim, or only origins whose queue ran low (``_refills``),
+        # which earn one only if still low when the claimer gets to it (``_refill_wanted``).
+        self._news = False
+        self._refills: set[str] = set()
         self._stopping = False
         self._log = structlog.get_logger("outboxd.claimer")
 
@@ -87,6 +93,7 @@ class Claimer:
 
     def wake(self) -> None:
         """New work may be due now (a NOTIFY)."""
+        self._news = True
         self._wake.set()
 
     def recorded(self, failures: Sequence[Claimed], tripped: Sequence[tuple[str, str]]) -> None:
@@ -101,7 +108,7 @@ class Claimer:
         self._dispatch.settled(failures)
         self._metrics.in_flight.set(self.in_flight)
         if self._starved or (self._capped and (failures or tripped)):
-            self._wake.set()
+            self.wake()
 
     def _connection(self) -> AsyncContextManager[Any]:
         return nullcontext(self._direct) if self._direct is not None else self._engine.begin()
@@ -112,7 +119,7 @@ class Claimer:
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake.set()
+        self.wake()
 
     async def run(self) -> None:
         contended = 0  # contended claims in a row
@@ -156,12 +163,31 @@ class Claimer:
             await self._sleep(timeout)
 
     async def _sleep(self, timeout: float) -> None:
-        if not self._wake.is_set():
-            try:
-                await asyncio.wait_for(self._wake.wait(), max(timeout, 0.001))
-            except asyncio.TimeoutError:
-                pass
-        self._wake.clear()
+        """Wait up to ``timeout`` for news, or for a refill still wanted when it is looked at."""
+        deadline = time.monotonic() + max(timeout, 0.001)
+        while True:
+            if not self._wake.is_set():
+                try:
+                    await asyncio.wait_for(self._wake.wait(), max(deadline - time.monotonic(), 0.001))
+                except asyncio.TimeoutError:
+                    pass
+            self._wake.clear()
+            wanted = self._news or self._refill_wanted() or time.monotonic() >= deadline
+            self._news = False
+            self._refills.clear()
+            if wanted:
+                return
+
+    def _low(self, origin: str) -> bool:
+        """Whether ``origin``'s queue runs low: half a round of its requests or less waiting."""
+        return self._dispatch.waiting(origin) <= self._settings.endpoint_concurrency // 2
+
+    def _refill_wanted(self) -> bool:
+        """Whether an origin that asked for a refill still needs one. Requests that end while
+        a claim is out ask for one, and that claim may already have refilled their origin:
+        claiming again at once would take only the few slots freed meanwhile, at the full
+        cost of a claim, where the next refill takes them along with the rest."""
+        return self._capped and any(self._low(origin) for origin in self._refills)
 
     async def _claim(self, limit: int) -> store.ClaimedBatch:
         # What this process held per origin when the claim went out: the statement counted at
@@ -234,9 +260,11 @@ class Claimer:
             # A retryable failure keeps its slot until the breaker has judged it (recorded()).
             self._dispatch.ended(message, holds_slot=outcome.action == "retry")
             self._metrics.in_flight.set(self.in_flight)
-            low = self._dispatch.waiting(message.origin or "") <= self._settings.endpoint_concurrency // 2
-            if self._starved or (self._capped and low):
-                self._wake.set()  # budget came back, or its queue runs low with work left behind: refill
+            if self._starved:
+                self.wake()  # budget came back
+            elif self._capped and self._low(message.origin or ""):
+                self._refills.add(message.origin or "")  # its queue runs low with work left behind
+                self._wake.set()
 
     async def _next_due(self) -> tuple[float | None, float]:
         async with self._connection() as conn:
