@@ -1,7 +1,8 @@
 """Background upkeep: rescue crashed daemons' leases, expire what is past its horizon,
 sample the gauges that need a query, prune endpoint health past its retention
 (:mod:`supervisor.observe.health_stats`), publish operator events (:mod:`supervisor.observe.events`), and
-(PostgreSQL) keep the attempt partitions of the coming days ready (:mod:`outbox.partitions`).
+(PostgreSQL) keep the attempt partitions of the coming days ready (:mod:`outbox.partitions`)
+and vacuum the claim's small due tables once they hold dead rows (:func:`vacuum_due_tables`).
 
 Rescue writes an ``abandoned`` attempt row for every lease it takes back, so an attempt
 cut short by a crash (after which the receiver may or may not have seen the request) is
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import structlog
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox import store
@@ -35,6 +36,8 @@ EXPIRE_INTERVAL = 30.0
 GAUGE_INTERVAL = 15.0
 PARTITION_INTERVAL = 3600.0
 PRUNE_INTERVAL = 60.0
+DUE_TABLES = ("outbox_due_arrivals", "outbox_due_endpoints", "outbox_due_origins")
+DUE_VACUUM_DEAD_ROWS = 1_000  # dead rows a due table may hold before this daemon vacuums it
 
 
 async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
@@ -71,6 +74,32 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
         metrics.breakers.labels(state=state).set(states.get(state, 0))
 
 
+async def vacuum_due_tables(engine: AsyncEngine, dead_rows: int = DUE_VACUUM_DEAD_ROWS) -> list[str]:
+    """Vacuum each due table holding at least ``dead_rows`` dead rows (by PostgreSQL's
+    statistics) that this role owns; the names vacuumed.
+
+    Every claim reads the three whole (docs/architecture.md, "Claiming ahead"): the fold
+    deletes every arrival, and the write-back finds its rows by ``ctid``. Their reads cost
+    what the tables hold, live or dead, and a burst leaves a trace: a commit of 1,000,000
+    messages appends as many arrivals, whose 8,334 pages every later fold scanned (12 ms
+    each, against 0.2-0.3 ms after a vacuum) until a vacuum came; autovacuum comes a minute
+    later at best (``autovacuum_naptime``), and may be off. Vacuuming here keeps them to what
+    is live within seconds. ``SKIP_LOCKED``: a table another vacuum holds is left to it; a
+    table it cannot shorten for lack of a moment without writers (PostgreSQL tries for up
+    to 5 s) is tried again later (docs/performance.md, "A burst's trace in the due tables")."""
+    async with engine.connect() as conn:
+        conn = await conn.execution_options(isolation_level="AUTOCOMMIT")  # VACUUM runs outside a transaction
+        names = (await conn.execute(text("""
+            SELECT s.relid::regclass::text FROM pg_stat_user_tables AS s JOIN pg_class AS c ON c.oid = s.relid
+            WHERE s.relid IN (SELECT to_regclass(name) FROM unnest(CAST(:tables AS text[])) AS name)
+              AND s.n_dead_tup >= :dead AND pg_has_role(c.relowner, 'USAGE')
+            ORDER BY 1
+        """), {"tables": list(DUE_TABLES), "dead": dead_rows})).scalars().all()
+        for name in names:  # a regclass's text: the table's name, quoted where it needs to be
+            await conn.execute(text(f"VACUUM (SKIP_LOCKED) {name}"))
+    return list(names)
+
+
 class Maintenance:
     def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard,
                  horizon_seconds: int, settings: Settings | None = None, event_sinks: Sequence[events.Sink] = ()
@@ -82,8 +111,26 @@ class Maintenance:
         self._daemon_id = daemon_id
         self._metrics = metrics
         self._outage = outage
-        self._partitioned = engine.dialect.name == "postgresql"  # SQLite keeps one attempts table
+        self._postgresql = engine.dialect.name == "postgresql"  # SQLite: one attempts table, no due tables
         self._log = structlog.get_logger("outboxd.maintenance")
+        self._vacuuming: asyncio.Task[None] | None = None
+
+    def _vacuum_soon(self) -> None:
+        """Vacuum the due tables beside the tick, one vacuum at a time: shortening a table
+        can take PostgreSQL seconds, which must not delay the lease rescue."""
+        if self._postgresql and (self._vacuuming is None or self._vacuuming.done()):
+            self._vacuuming = asyncio.create_task(self._vacuum_due_tables())
+
+    async def _vacuum_due_tables(self) -> None:
+        """Upkeep that delivery does not wait on: a failure is logged, never an outage."""
+        try:
+            vacuumed = await vacuum_due_tables(self._engine)
+        except Exception as exc:
+            self._log.warning("due_tables.vacuum_failed", error=type(exc).__name__,
+                              detail=(str(exc).splitlines() or [""])[0][:200])
+            return
+        if vacuumed:
+            self._log.debug("due_tables.vacuumed", tables=vacuumed)
 
     async def _expired(self, conn: AsyncConnection, expired: list[Any]) -> challenge.Settled:
         """What messages ended past their horizon settle, in the same transaction: an expired
@@ -98,6 +145,14 @@ class Maintenance:
         return settled
 
     async def run(self) -> None:
+        try:
+            await self._tick_forever()
+        finally:
+            if self._vacuuming is not None:
+                self._vacuuming.cancel()
+                await asyncio.gather(self._vacuuming, return_exceptions=True)
+
+    async def _tick_forever(self) -> None:
         ticks = 0
         while True:
             try:
@@ -122,7 +177,8 @@ class Maintenance:
                     async with self._engine.begin() as conn:
                         await health_stats.prune(conn)
                         await events.keys_leaving(conn, await store.db_now(conn))
-                if ticks % int(PARTITION_INTERVAL / RESCUE_INTERVAL) == 0 and self._partitioned:
+                self._vacuum_soon()
+                if ticks % int(PARTITION_INTERVAL / RESCUE_INTERVAL) == 0 and self._postgresql:
                     created = await ensure_attempt_partitions(self._engine)
                     if created:
                         self._log.info("attempt_partitions.created", count=created)

@@ -1,0 +1,99 @@
+"""The claim's due tables stay the size of what is live, whatever burst went through them.
+
+Every claim's fold deletes all of ``outbox_due_arrivals``, so it reads the whole table, dead
+rows included: after a burst it read every page the burst's arrivals took until a vacuum
+came, and autovacuum may come a minute later or never (it is off on some servers, this
+one's included). The daemon's maintenance vacuums the due tables once they hold dead rows
+(:func:`supervisor.cycle.maintenance.vacuum_due_tables`). Real PostgreSQL, real statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from sqlalchemy import text
+
+from outbox.db import make_async_engine
+from outbox.store import _STATEMENTS
+from supervisor.cycle.maintenance import DUE_VACUUM_DEAD_ROWS, vacuum_due_tables
+
+BURST = 3_000
+ORIGIN = "https://buyer.example.com"
+
+
+def _burst(engine, count: int) -> None:
+    """``count`` due messages committed at once (plain SQL, as any producer may), their
+    arrivals folded in by the daemon's own statement."""
+    with engine.begin() as conn:
+        conn.execute(text("""
+            INSERT INTO outbox_messages (tenant_id, url, idempotency_key, body, task_id, task_type, task_status)
+            SELECT 't' || (g % 10), :url, 'whk_burst_' || g, convert_to('{"idempotency_key":"whk_burst_' || g || '"}',
+                   'UTF8'), 'task_' || g, 'create_media_buy', 'completed'
+            FROM generate_series(1, :n) AS g
+        """), {"url": f"{ORIGIN}/hook", "n": count})
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(_STATEMENTS[True].gather_due)
+
+
+def _dead_rows(engine, table: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
+                            {"t": table}).scalar_one()
+
+
+def _reported(engine, table: str, at_least: int) -> None:
+    """Wait until the statistics show the fold's dead rows (a backend reports them when its
+    transaction ends, at most once a second)."""
+    deadline = time.monotonic() + 15
+    while _dead_rows(engine, table) < at_least:
+        assert time.monotonic() < deadline, f"{table}: the statistics never showed {at_least} dead rows"
+        time.sleep(0.2)
+
+
+def _fold_reads(engine) -> int:
+    """Shared buffers the fold reads when there is nothing to fold."""
+    with engine.connect() as conn, conn.begin() as txn:
+        plan = conn.execute(text("EXPLAIN (ANALYZE, BUFFERS) " + _STATEMENTS[True].gather_due.text)).scalars().all()
+        txn.rollback()
+    return max(int(part.split("=")[1]) for line in plan for part in line.split() if part.startswith("hit="))
+
+
+def _vacuum(pg_url: str, **kwargs) -> list[str]:
+    async def run() -> list[str]:
+        engine = make_async_engine(pg_url)
+        try:
+            return await vacuum_due_tables(engine, **kwargs)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def test_a_burst_leaves_the_fold_reading_its_pages_until_the_daemon_vacuums_them(pg_engine, pg_url) -> None:
+    """3,000 arrivals folded in: the next fold, with nothing to fold, still reads the pages
+    they took. The daemon's upkeep vacuums the arrivals (and only what holds dead rows); the
+    fold then reads a few buffers, and the upkeep has nothing more to do there. (The other
+    due tables may hold what earlier tests' clean-up left dead: they are not judged here.)"""
+    _burst(pg_engine, BURST)
+    _reported(pg_engine, "outbox_due_arrivals", BURST)
+    before = _fold_reads(pg_engine)
+    assert before >= 20, f"the fold read {before} buffers after folding {BURST} arrivals"
+
+    assert "outbox_due_arrivals" in _vacuum(pg_url)
+    after = _fold_reads(pg_engine)
+    assert after <= 5, f"the fold still reads {after} buffers once the arrivals were vacuumed ({before} before)"
+    assert _dead_rows(pg_engine, "outbox_due_arrivals") == 0
+    assert "outbox_due_arrivals" not in _vacuum(pg_url)
+
+
+def test_a_due_table_is_vacuumed_from_the_threshold_on_and_left_to_autovacuum_below_it(pg_engine, pg_url) -> None:
+    """Below the threshold nothing is vacuumed: a vacuum a tick for every handful of
+    messages would cost more than the reads it saves. (The count is read back, so dead rows
+    earlier tests' clean-up left in the table count too.)"""
+    _burst(pg_engine, 20)
+    _reported(pg_engine, "outbox_due_arrivals", 20)
+    dead = _dead_rows(pg_engine, "outbox_due_arrivals")
+    assert "outbox_due_arrivals" not in _vacuum(pg_url, dead_rows=dead + 1)
+    assert "outbox_due_arrivals" in _vacuum(pg_url, dead_rows=dead)
+    assert DUE_VACUUM_DEAD_ROWS == 1_000  # what docs/architecture.md and docs/performance.md say
