@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from outbox.db import make_async_engine
 from outbox.store import _STATEMENTS
-from supervisor.cycle.maintenance import DUE_VACUUM_DEAD_ROWS, vacuum_due_tables
+from supervisor.cycle.maintenance import DUE_TRUNCATE_BYTES, DUE_VACUUM_DEAD_ROWS, vacuum_due_tables
 
 BURST = 3_000
 ORIGIN = "https://buyer.example.com"
@@ -51,6 +51,11 @@ def _reported(engine, table: str, at_least: int) -> None:
         time.sleep(0.2)
 
 
+def _size(engine, table: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT pg_relation_size(to_regclass(:t))"), {"t": table}).scalar_one()
+
+
 def _fold_reads(engine) -> int:
     """Shared buffers the fold reads when there is nothing to fold."""
     with engine.connect() as conn, conn.begin() as txn:
@@ -70,21 +75,38 @@ def _vacuum(pg_url: str, **kwargs) -> list[str]:
     return asyncio.run(run())
 
 
-def test_a_burst_leaves_the_fold_reading_its_pages_until_the_daemon_vacuums_them(pg_engine, pg_url) -> None:
+def test_a_burst_leaves_the_fold_reading_its_pages_until_the_daemon_vacuums_them_away(pg_engine, pg_url) -> None:
     """3,000 arrivals folded in: the next fold, with nothing to fold, still reads the pages
-    they took. The daemon's upkeep vacuums the arrivals (and only what holds dead rows); the
-    fold then reads a few buffers, and the upkeep has nothing more to do there. (The other
-    due tables may hold what earlier tests' clean-up left dead: they are not judged here.)"""
+    they took. The upkeep vacuums the arrivals and, the table being over its size, gives the
+    pages back; the fold then reads a few buffers, and the upkeep has nothing more to do
+    there. (The other due tables may hold what earlier tests' clean-up left dead: they are
+    not judged here.)"""
     _burst(pg_engine, BURST)
     _reported(pg_engine, "outbox_due_arrivals", BURST)
-    before = _fold_reads(pg_engine)
+    before, size = _fold_reads(pg_engine), _size(pg_engine, "outbox_due_arrivals")
     assert before >= 20, f"the fold read {before} buffers after folding {BURST} arrivals"
 
-    assert "outbox_due_arrivals" in _vacuum(pg_url)
+    assert "outbox_due_arrivals" in _vacuum(pg_url, truncate_bytes=size - 1)
     after = _fold_reads(pg_engine)
     assert after <= 5, f"the fold still reads {after} buffers once the arrivals were vacuumed ({before} before)"
-    assert _dead_rows(pg_engine, "outbox_due_arrivals") == 0
+    assert _size(pg_engine, "outbox_due_arrivals") == 0
     assert "outbox_due_arrivals" not in _vacuum(pg_url)
+
+
+def test_below_its_size_a_vacuumed_table_keeps_its_pages_for_the_next_arrivals(pg_engine, pg_url) -> None:
+    """Steady traffic's vacuums never shorten a table (that would take the lock producers'
+    inserts wait on): the dead arrivals go, and the next burst reuses their pages instead of
+    growing the table."""
+    _burst(pg_engine, BURST)
+    _reported(pg_engine, "outbox_due_arrivals", BURST)
+    size = _size(pg_engine, "outbox_due_arrivals")
+    assert 0 < size < DUE_TRUNCATE_BYTES
+    assert "outbox_due_arrivals" in _vacuum(pg_url)
+    assert _size(pg_engine, "outbox_due_arrivals") == size, "a vacuum below the size shortened the table"
+    with pg_engine.begin() as conn:
+        conn.execute(text("DELETE FROM outbox_messages"))
+    _burst(pg_engine, BURST)
+    assert _size(pg_engine, "outbox_due_arrivals") == size, "the next arrivals did not reuse the vacuumed pages"
 
 
 def test_a_due_table_is_vacuumed_from_the_threshold_on_and_left_to_autovacuum_below_it(pg_engine, pg_url) -> None:

@@ -38,6 +38,9 @@ PARTITION_INTERVAL = 3600.0
 PRUNE_INTERVAL = 60.0
 DUE_TABLES = ("outbox_due_arrivals", "outbox_due_endpoints", "outbox_due_origins")
 DUE_VACUUM_DEAD_ROWS = 1_000  # dead rows a due table may hold before this daemon vacuums it
+# Past this size a vacuum also gives the empty end of the table back: that takes the table's
+# strongest lock for a moment, so producers' inserts wait; below it, vacuumed pages are reused.
+DUE_TRUNCATE_BYTES = 1 << 20
 
 
 async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
@@ -74,9 +77,11 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
         metrics.breakers.labels(state=state).set(states.get(state, 0))
 
 
-async def vacuum_due_tables(engine: AsyncEngine, dead_rows: int = DUE_VACUUM_DEAD_ROWS) -> list[str]:
+async def vacuum_due_tables(engine: AsyncEngine, dead_rows: int = DUE_VACUUM_DEAD_ROWS,
+                            truncate_bytes: int = DUE_TRUNCATE_BYTES) -> list[str]:
     """Vacuum each due table holding at least ``dead_rows`` dead rows (by PostgreSQL's
-    statistics) that this role owns; the names vacuumed.
+    statistics) that this role owns, shortening those over ``truncate_bytes``; the names
+    vacuumed.
 
     Every claim reads the three whole (docs/architecture.md, "Claiming ahead"): the fold
     deletes every arrival, and the write-back finds its rows by ``ctid``. Their reads cost
@@ -84,20 +89,23 @@ async def vacuum_due_tables(engine: AsyncEngine, dead_rows: int = DUE_VACUUM_DEA
     messages appends as many arrivals, whose 8,334 pages every later fold scanned (12 ms
     each, against 0.2-0.3 ms after a vacuum) until a vacuum came; autovacuum comes a minute
     later at best (``autovacuum_naptime``), and may be off. Vacuuming here keeps them to what
-    is live within seconds. ``SKIP_LOCKED``: a table another vacuum holds is left to it; a
-    table it cannot shorten for lack of a moment without writers (PostgreSQL tries for up
-    to 5 s) is tried again later (docs/performance.md, "A burst's trace in the due tables")."""
+    is live within seconds. ``SKIP_LOCKED``: a table another vacuum holds is left to it. A
+    table is shortened only past ``truncate_bytes`` (after a burst), so the vacuums of
+    steady traffic never take the lock producers' inserts would wait on; one it cannot
+    shorten for lack of a moment without writers (PostgreSQL tries for up to 5 s) is tried
+    again later (docs/performance.md, "A burst's trace in the due tables")."""
     async with engine.connect() as conn:
         conn = await conn.execution_options(isolation_level="AUTOCOMMIT")  # VACUUM runs outside a transaction
-        names = (await conn.execute(text("""
-            SELECT s.relid::regclass::text FROM pg_stat_user_tables AS s JOIN pg_class AS c ON c.oid = s.relid
+        rows = (await conn.execute(text("""
+            SELECT s.relid::regclass::text AS name, pg_relation_size(s.relid) > :truncate AS shorten
+            FROM pg_stat_user_tables AS s JOIN pg_class AS c ON c.oid = s.relid
             WHERE s.relid IN (SELECT to_regclass(name) FROM unnest(CAST(:tables AS text[])) AS name)
               AND s.n_dead_tup >= :dead AND pg_has_role(c.relowner, 'USAGE')
             ORDER BY 1
-        """), {"tables": list(DUE_TABLES), "dead": dead_rows})).scalars().all()
-        for name in names:  # a regclass's text: the table's name, quoted where it needs to be
-            await conn.execute(text(f"VACUUM (SKIP_LOCKED) {name}"))
-    return list(names)
+        """), {"tables": list(DUE_TABLES), "dead": dead_rows, "truncate": truncate_bytes})).all()
+        for name, shorten in rows:  # a regclass's text: the table's name, quoted where it needs to be
+            await conn.execute(text(f"VACUUM (SKIP_LOCKED, TRUNCATE {'true' if shorten else 'false'}) {name}"))
+    return [name for name, _ in rows]
 
 
 class Maintenance:
