@@ -123,7 +123,10 @@ def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name
 
 
 def arrivals(log: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    """The receiver's complete lines. The log is read while the receiver appends to it, and a line
+    that crosses a page boundary can be seen half written: the unterminated tail waits for the next read."""
+    text = log.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.2) -> bool:

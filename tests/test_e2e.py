@@ -37,6 +37,16 @@ def enqueue_many(engine, base: str, paths: list[str], *, tenants: int = 1, per_t
     return keys
 
 
+def test_arrivals_leave_a_half_written_line_for_the_next_read(tmp_path):
+    """The receiver's log is read while it is appended to: a torn last line is not an arrival yet."""
+    log = tmp_path / "receiver.jsonl"
+    log.write_text('{"key": "a"}\n{"key": "b", "sig')
+    assert [a["key"] for a in procs.arrivals(log)] == ["a"]
+    with log.open("a") as tail:
+        tail.write('nature": null}\n')
+    assert [a["key"] for a in procs.arrivals(log)] == ["a", "b"]
+
+
 def states(engine) -> collections.Counter:
     with engine.connect() as conn:
         return collections.Counter(dict(conn.execute(select(messages.c.state, func.count())
