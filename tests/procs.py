@@ -122,11 +122,16 @@ def receiver(directory: Path, jwks: Path | None, *, verifier: str = "adcp", name
             pass
 
 
-def arrivals(log: Path) -> list[dict[str, Any]]:
-    """The receiver's complete lines. The log is read while the receiver appends to it, and a line
-    that crosses a page boundary can be seen half written: the unterminated tail waits for the next read."""
-    text = log.read_text()
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete lines of a JSON-lines file another process may be appending to: a line
+    being written can be seen half written, so the unterminated tail waits for the next read."""
+    text = path.read_text()
     return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
+def arrivals(log: Path) -> list[dict[str, Any]]:
+    """The receiver's arrivals so far (its log, read while it appends)."""
+    return json_lines(log)
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.2) -> bool:

@@ -37,14 +37,14 @@ def enqueue_many(engine, base: str, paths: list[str], *, tenants: int = 1, per_t
     return keys
 
 
-def test_arrivals_leave_a_half_written_line_for_the_next_read(tmp_path):
-    """The receiver's log is read while it is appended to: a torn last line is not an arrival yet."""
+def test_json_lines_leave_a_half_written_line_for_the_next_read(tmp_path):
+    """A JSON-lines file read while another process appends to it: a torn last line is not a line yet."""
     log = tmp_path / "receiver.jsonl"
     log.write_text('{"key": "a"}\n{"key": "b", "sig')
-    assert [a["key"] for a in procs.arrivals(log)] == ["a"]
+    assert [a["key"] for a in procs.json_lines(log)] == ["a"]
     with log.open("a") as tail:
         tail.write('nature": null}\n')
-    assert [a["key"] for a in procs.arrivals(log)] == ["a", "b"]
+    assert [a["key"] for a in procs.json_lines(log)] == ["a", "b"]
 
 
 def states(engine) -> collections.Counter:

@@ -164,7 +164,7 @@ def test_a_rolling_rotation_in_the_worst_order_loses_nothing(db, replicas, reque
             for i in range(replicas):  # the worst order: a new-configuration producer, then a daemon, first
                 outputs += fleet.roll([("producer", i)], during)
                 # Daemon i cannot open the new key yet: the new producer keeps sealing under the old one.
-                sealed = {json.loads(line)["sealed_under"] for line in outputs[-1].read_text().splitlines()}
+                sealed = {line["sealed_under"] for line in procs.json_lines(outputs[-1])}
                 assert sealed == {kid(old)}, "a new key sealed before every process could open it"
                 fleet.roll([("daemon", i)], during)
             assert procs.wait_until(
@@ -178,7 +178,7 @@ def test_a_rolling_rotation_in_the_worst_order_loses_nothing(db, replicas, reque
             outputs += fleet.roll(everyone, after)  # the old key leaves every configuration
             fired = fire_event(engine, settings_of(after))
             fleet.close()
-            enqueued = [json.loads(line) for out in outputs for line in out.read_text().splitlines()]
+            enqueued = [line for out in outputs for line in procs.json_lines(out)]
             keys = {e["key"] for e in enqueued} | set(fired)
 
             def all_arrived() -> bool:
@@ -234,7 +234,7 @@ def test_a_previous_release_daemon_holds_the_rotation_back_while_it_delivers(
             outputs = fleet.roll([("producer", 0), ("daemon", 0)], config(new, old))  # this release, rotated
             assert procs.wait_until(lambda: outputs[0].read_text().count("\n") >= 60, 30)
             assert encryption_status(monkeypatch, capsys, pg_url, config(new, old))["sealing_key_id"] is None
-            sealed = {json.loads(line)["sealed_under"] for line in outputs[0].read_text().splitlines()}
+            sealed = {line["sealed_under"] for line in procs.json_lines(outputs[0])}
             assert sealed == {kid(old)}, "a key sealed that the previous release's daemon cannot open"
             assert procs.stop(legacy) == 0
             assert procs.wait_until(  # its attempts age out: the rotation goes on
@@ -243,7 +243,7 @@ def test_a_previous_release_daemon_holds_the_rotation_back_while_it_delivers(
             assert procs.wait_until(lambda: f'"sealed_under": "{kid(new)}"' in outputs[0].read_text(), 20), \
                 "the producer follows the agreement"
             fleet.close()
-            enqueued = [json.loads(line) for line in outputs[0].read_text().splitlines()]
+            enqueued = procs.json_lines(outputs[0])
             keys = {e["key"] for e in enqueued}
             assert procs.wait_until(lambda: {a["key"] for a in procs.arrivals(log)} >= keys, 40), states(pg_engine)
             assert procs.stop(fleet.daemons[0]) == 0
