@@ -118,3 +118,40 @@ def test_a_due_table_is_vacuumed_from_the_threshold_on_and_left_to_autovacuum_be
     dead = _dead_rows(pg_engine, "outbox_due_arrivals")
     assert "outbox_due_arrivals" not in _vacuum(pg_url, dead_rows=dead + 1)
     assert "outbox_due_arrivals" in _vacuum(pg_url, dead_rows=dead)
+
+
+def _vacuums(engine, table: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = to_regclass(:t)"),
+                            {"t": table}).scalar_one()
+
+
+def test_the_daemons_maintenance_vacuums_a_burst_away_with_its_defaults(pg_engine, pg_url) -> None:
+    """The upkeep as the daemon runs it (its maintenance loop, default threshold and tick):
+    a burst's dead arrivals are vacuumed within a few ticks. (Below 1 MiB the table keeps its
+    pages for the next arrivals, as the test above shows, so the fold's reads stay.)"""
+    from outbox.db import make_async_engine as engine_for
+    from supervisor.cycle.maintenance import Maintenance
+    from supervisor.cycle.outage import OutageGuard
+    from supervisor.observe.metrics import Metrics
+
+    _burst(pg_engine, BURST)
+    _reported(pg_engine, "outbox_due_arrivals", BURST)
+    vacuums = _vacuums(pg_engine, "outbox_due_arrivals")
+
+    async def run() -> None:
+        engine = engine_for(pg_url)
+        task = asyncio.create_task(Maintenance(engine, daemon_id="d", metrics=Metrics(), outage=OutageGuard(5),
+                                               horizon_seconds=86_400).run())
+        try:
+            deadline = time.monotonic() + 30  # a tick every 2 s; a loaded machine is slow
+            while _vacuums(pg_engine, "outbox_due_arrivals") == vacuums and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await engine.dispose()
+
+    asyncio.run(run())
+    assert _vacuums(pg_engine, "outbox_due_arrivals") > vacuums, "the maintenance never vacuumed the arrivals"
+    assert _dead_rows(pg_engine, "outbox_due_arrivals") < BURST, "the vacuum left the burst's arrivals"
