@@ -8,11 +8,12 @@ not grow with their number (docs/performance.md, "Many backlogged endpoints"). T
 measured in two passes, ascending then descending, so that the box speeding up or slowing
 down during the phase weighs on every count alike, as the enqueue phase interleaves its
 variants. One daemon
-then drains the first ``--messages`` of two backlogs of the same size: 10 endpoints with a
-deep backlog each, and ``--endpoints`` endpoints with five messages each, each backlog twice
-in the same interleaved order, and the faster drain of each is judged: one drain lasts a few
-seconds, and single drains put the ratio anywhere in 0.74-1.12 in runs of the same code
-(the faster of two: 0.76-1.11).
+then drains the first ``DRAIN_MESSAGES`` (or ``--messages``, if more) of two backlogs of the
+same size: 10 endpoints with a deep backlog each, and ``--endpoints`` endpoints with five
+messages each, each backlog twice in the same interleaved order, and the faster drain of
+each is judged. A drain of 3,000 lasts two seconds, which one pause of the box moves: the
+faster of two such drains put the ratio anywhere in 0.61-1.07 in runs of the same code,
+those of 10,000 in 0.83-0.96 (docs/performance.md, "Many backlogged endpoints").
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from outboxd_bench.scale import measure_claim
 PER_ENDPOINT = 5  # due messages per backlogged endpoint
 CLAIM_REPEATS = 15
 MAX_BUFFERS_RATIO, MAX_TIME_RATIO, MIN_RATE_RATIO = 1.5, 1.5, 0.8
+DRAIN_MESSAGES = 10_000  # deliveries a drain counts at least (the backlog permitting)
 
 
 def endpoint_counts(many: int) -> tuple[int, ...]:
@@ -89,8 +91,9 @@ def _drain_cases(bench: Bench, few: int, many: int, backlog: int) -> tuple[dict[
 
 def _drain_case(bench: Bench, endpoints: int, backlog: int) -> dict[str, Any]:
     """One daemon, running, gets a ``backlog`` over ``endpoints`` committed at once and
-    delivers ``--messages`` of it. The rate is read from the rows' finish times; the CPU is
-    what went by from the end of the commit to the last of them, per delivery meanwhile."""
+    delivers ``DRAIN_MESSAGES`` (or ``--messages``, if more) of it. The rate is read from the
+    rows' finish times; the CPU is what went by from the end of the commit to the last of
+    them, per delivery meanwhile."""
     from sqlalchemy import text
 
     bench.truncate()
@@ -104,8 +107,9 @@ def _drain_case(bench: Bench, endpoints: int, backlog: int) -> dict[str, Any]:
         meter = CpuMeter(bench.engine, [daemon.pid], [bench.main.proc.pid]).start()
         with bench.engine.connect() as conn:
             before = conn.execute(count).scalar_one()
-        want = min(before + bench.options.messages, backlog)
-        deadline = time.monotonic() + bench.options.drain_timeout
+        want = min(before + max(bench.options.messages, DRAIN_MESSAGES), backlog)
+        timeout = bench.options.timeout_for(want - before)
+        deadline = time.monotonic() + timeout
         while True:
             with bench.engine.connect() as conn:
                 done = conn.execute(count).scalar_one()
@@ -114,7 +118,7 @@ def _drain_case(bench: Bench, endpoints: int, backlog: int) -> dict[str, Any]:
             if not daemon.alive():
                 raise PhaseError(f"{daemon.name} exited: {daemon.log_tail()}")
             if time.monotonic() > deadline:
-                raise PhaseError(f"one daemon delivered {done}/{want} in {bench.options.drain_timeout:.0f} s")
+                raise PhaseError(f"one daemon delivered {done}/{want} in {timeout:.0f} s")
             time.sleep(POLL)
         usage = meter.stop()
         with bench.engine.connect() as conn:

@@ -89,7 +89,12 @@ class Options:
     @property
     def drain_timeout(self) -> float:
         """A throughput phase may take this long: generous, assumes >= 25 deliveries/s."""
-        return 30.0 + self.messages / 25.0
+        return self.timeout_for(self.messages)
+
+    @staticmethod
+    def timeout_for(deliveries: int) -> float:
+        """How long a drain of ``deliveries`` may take, as :attr:`drain_timeout` counts it."""
+        return 30.0 + deliveries / 25.0
 
 
 @dataclass
