@@ -5,10 +5,11 @@ The claim is measured as the scale check measures it (``EXPLAIN (ANALYZE, BUFFER
 daemon's very statement, in a transaction rolled back) with 10, a tenth of ``--endpoints``
 and ``--endpoints`` (10,000) backlogged endpoints of five due messages each: its work must
 not grow with their number (docs/performance.md, "Many backlogged endpoints"). The counts are
-measured in two passes, ascending then descending, so that the box speeding up or slowing
-down during the phase weighs on every count alike, as the enqueue phase interleaves its
-variants. One daemon
-then drains the first ``DRAIN_MESSAGES`` (or ``--messages``, if more) of two backlogs of the
+measured in four passes, ascending, descending, ascending, descending, so that the box
+speeding up or slowing down during the phase weighs on every count alike, as the enqueue
+phase interleaves its variants: with two passes, the largest count's two blocks ran back to
+back, and one slow spell of the box then put its fastest time at 1.47-1.61 x the smallest
+count's in two full runs where the phase alone gave 0.92-1.15 x. One daemon then drains the first ``DRAIN_MESSAGES`` (or ``--messages``, if more) of two backlogs of the
 same size: 10 endpoints with a deep backlog each, and ``--endpoints`` endpoints with five
 messages each, each backlog twice in the same interleaved order, and the faster drain of
 each is judged. A drain of 3,000 lasts two seconds, which one pause of the box moves: the
@@ -28,6 +29,7 @@ from outboxd_bench.scale import measure_claim
 
 PER_ENDPOINT = 5  # due messages per backlogged endpoint
 CLAIM_REPEATS = 15
+CLAIM_PASS_PAIRS = 2  # each an ascending and a descending pass over the counts
 MAX_BUFFERS_RATIO, MAX_TIME_RATIO, MIN_RATE_RATIO = 1.5, 1.5, 0.8
 DRAIN_MESSAGES = 10_000  # deliveries a drain counts at least (the backlog permitting)
 
@@ -64,10 +66,11 @@ def _backlog(bench: Bench, endpoints: int, per_endpoint: int, prefix: str) -> No
 
 
 def _claim_cases(bench: Bench, counts: tuple[int, ...]) -> dict[str, dict[str, Any]]:
-    """Each count's claim, from ``CLAIM_REPEATS`` samples in each of two passes (ascending,
-    then descending): the fastest execution and client wall time, the median buffers."""
+    """Each count's claim, from ``CLAIM_REPEATS`` samples in each of ``2 * CLAIM_PASS_PAIRS``
+    passes (ascending, then descending, again): the fastest execution and client wall time,
+    the median buffers."""
     samples: dict[int, tuple[list[float], list[float], list[int]]] = {n: ([], [], []) for n in counts}
-    for endpoints in (*counts, *reversed(counts)):
+    for endpoints in (*counts, *reversed(counts)) * CLAIM_PASS_PAIRS:
         bench.truncate()
         _backlog(bench, endpoints, PER_ENDPOINT, f"ep{endpoints}")
         executions, _, walls, buffers, _ = measure_claim(bench, CLAIM_REPEATS)
@@ -161,9 +164,9 @@ def endpoint_targets(f: dict[str, Any], phase: dict[str, Any]) -> list[tuple[str
 
 def render_endpoints(phase: dict[str, Any]) -> list[str]:
     lines = [f"MANY ENDPOINTS: claim statement with {PER_ENDPOINT} due messages per backlogged endpoint "
-             f"(fastest / median buffers of {CLAIM_REPEATS} in each of two passes); one daemon drains the first "
-             f"{phase['drain_many']['delivered']:,} of {phase['drain_many']['backlog']:,}, twice each, the faster "
-             "drain shown",
+             f"(fastest / median buffers of {CLAIM_REPEATS} in each of {2 * CLAIM_PASS_PAIRS} passes); one daemon "
+             f"drains the first {phase['drain_many']['delivered']:,} of {phase['drain_many']['backlog']:,}, "
+             "twice each, the faster drain shown",
              f"  {'endpoints':>12}{'exec ms':>9}{'client ms':>11}{'buffers':>9}"]
     for case in phase["claims"].values():
         lines.append(f"  {case['endpoints']:>12,}{case['execution_ms']:>9.3f}{case['client_wall_ms']:>11.3f}"
