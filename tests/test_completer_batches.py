@@ -1,0 +1,69 @@
+"""How the completer batches outcomes, on both databases, with the default settings.
+
+A round of ``OUTBOX_CONCURRENCY`` outcomes starts a flush early; the flush then records every
+outcome waiting, up to ``FLUSH_MAX``. Unrecorded outcomes hold leases the claimer counts
+against its budget, so flushes of one round each, while more waited, kept a daemon sending to
+many origins waiting out one flush after another (docs/performance.md, "Design choices, each
+measured against the alternative").
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import func, select
+
+import outbox
+from outbox import store
+from outbox.db import make_async_engine
+from outbox.schema import messages
+from sinks.fanout import SinkFanout
+from supervisor.cycle.attempt import Outcome
+from supervisor.cycle.completer import FLUSH_MAX, Completer
+from supervisor.cycle.outage import OutageGuard
+from supervisor.observe.metrics import Metrics
+from tests.test_db_faults import enqueue_batch, message_key
+
+WAITING = FLUSH_MAX + 50  # more than one flush may take
+
+
+async def test_a_flush_records_every_outcome_waiting_up_to_its_maximum(engine):
+    url = engine.url.render_as_string(hide_password=False)
+    enqueue_batch(engine, [("t1", "https://buyer.example.com/hook", message_key("batch", i)) for i in range(WAITING)])
+    settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": url})
+    assert settings.concurrency < FLUSH_MAX, "a round must be smaller than a flush for this test to judge"
+    aengine = make_async_engine(url)
+    completer = Completer(aengine, settings=settings, daemon_id="unit", metrics=Metrics(),
+                          fanout=SinkFanout([], timeout=1), outage=OutageGuard(5))
+    sizes: list[int] = []
+    record = completer.flush
+
+    async def counted(batch):
+        sizes.append(len(batch))
+        await record(batch)
+
+    completer.flush = counted  # type: ignore[method-assign]
+    runner = None
+    try:
+        async with aengine.begin() as conn:
+            claimed = await store.claim(conn, limit=WAITING, lease_seconds=30, horizon_seconds=86_400,
+                                        daemon_id="unit", endpoint_concurrency=WAITING)
+        assert len(claimed) == WAITING
+        for m in claimed:  # every request answered before the completer gets to them
+            completer.submit(Outcome(m, "delivered", "success", http_status=200, sent=True))
+        runner = asyncio.create_task(completer.run())
+        for _ in range(200):
+            if sum(sizes) == WAITING and completer.backlog == 0:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        if runner is not None:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+        await completer.aclose()
+        await aengine.dispose()
+    # One round (64) would start each flush early and take no more: 64, 64, 64, 58.
+    assert sizes == [FLUSH_MAX, WAITING - FLUSH_MAX], sizes
+    with engine.connect() as conn:
+        delivered = conn.execute(select(func.count()).where(messages.c.state == "delivered")).scalar_one()
+    assert delivered == WAITING
