@@ -9,12 +9,14 @@ measured in four passes, ascending, descending, ascending, descending, so that t
 speeding up or slowing down during the phase weighs on every count alike, as the enqueue
 phase interleaves its variants: with two passes, the largest count's two blocks ran back to
 back, and one slow spell of the box then put its fastest time at 1.47-1.61 x the smallest
-count's in two full runs where the phase alone gave 0.92-1.15 x. One daemon then drains the first ``DRAIN_MESSAGES`` (or ``--messages``, if more) of two backlogs of the
-same size: 10 endpoints with a deep backlog each, and ``--endpoints`` endpoints with five
-messages each, each backlog twice in the same interleaved order, and the faster drain of
-each is judged. A drain of 3,000 lasts two seconds, which one pause of the box moves: the
-faster of two such drains put the ratio anywhere in 0.61-1.07 in runs of the same code,
-those of 10,000 in 0.83-0.96 (docs/performance.md, "Many backlogged endpoints").
+count's in two full runs where the phase alone gave 0.92-1.15 x.
+
+One daemon then drains the first ``DRAIN_MESSAGES`` (or ``--messages``, if more) of two
+backlogs of the same size: 10 endpoints with a deep backlog each, and ``--endpoints``
+endpoints with five messages each, each backlog twice in the same interleaved order, and the
+faster drain of each is judged. A drain of 3,000 lasts two seconds, which one pause of the
+box moves: the faster of two such drains put the ratio anywhere in 0.61-1.11 in runs of the
+same code, those of 10,000 in 0.83-1.13.
 """
 
 from __future__ import annotations
