@@ -145,7 +145,7 @@ class Completer:
         self._flushing = asyncio.Lock()
         # Unrecorded outcomes hold leases the claimer counts against its budget: a round of
         # them is worth a flush at once rather than at the end of the interval.
-        self._flush_max = min(FLUSH_MAX, settings.concurrency)
+        self._flush_early = min(FLUSH_MAX, settings.concurrency)
         self._log = structlog.get_logger("outboxd.completer")
 
     def submit(self, outcome: Outcome) -> None:
@@ -162,7 +162,7 @@ class Completer:
             self._taken.append(await self._queue.get())
             async with self._flushing:
                 deadline = time.monotonic() + FLUSH_INTERVAL
-                while self._taken and len(self._taken) < self._flush_max:
+                while self._taken and len(self._taken) < self._flush_early:
                     timeout = deadline - time.monotonic()
                     if timeout <= 0:
                         break
@@ -175,8 +175,7 @@ class Completer:
                 # record them, and the claimer, which counts unrecorded outcomes against its
                 # lease budget, then waited out every flush (docs/performance.md, "Design
                 # choices, each measured against the alternative").
-                while len(self._taken) < FLUSH_MAX and not self._queue.empty():
-                    self._taken.append(self._queue.get_nowait())
+                self._take_queued(self._taken, FLUSH_MAX)
                 batch, self._taken = self._taken, []
                 if batch:  # empty when drain() took it while we waited for the lock
                     self._recording = len(batch)
@@ -193,10 +192,14 @@ class Completer:
         """
         async with self._flushing:
             batch, self._taken = self._taken, []
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            self._take_queued(batch)
             if batch:
                 await self._flush_until_done(batch)
+
+    def _take_queued(self, batch: list[Outcome], limit: int | None = None) -> None:
+        """Move what waits on the queue into ``batch``, until it holds ``limit`` (all: ``None``)."""
+        while (limit is None or len(batch) < limit) and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
 
     async def _flush_until_done(self, batch: Sequence[Outcome], *, tries: int = REFUSED_TRIES) -> None:
         """Record ``batch``: ride out an outage, and isolate an outcome the database refuses.
