@@ -1,4 +1,5 @@
-"""Every statement the daemon and the CLI run, each with a name, in one place.
+"""Every statement of the message state machine the daemon and the CLI run, each with a
+name, in one place (the breaker rows' are in outbox/breaker_rows.py).
 
 Reading this module tells the whole state machine (procrastinate-style):
 
@@ -22,11 +23,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import TextClause, bindparam, text, tuple_
+from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.claim_sql import DEADLINE, MIN_HORIZON_SECONDS, claim_sql
-from outbox.schema import PG_NOW, SQLITE_NOW, attempts, breaker_transitions, breakers
+from outbox.schema import PG_NOW, SQLITE_NOW, attempts
 from outbox.sealing import OVERHEAD
 from outbox.urls import endpoint_origin
 
@@ -95,16 +96,6 @@ class _Statements:
             FROM {completion}
             WHERE m.id = v.mid AND m.lease_token = v.tok AND m.state = 'in_flight'{by_key}
             RETURNING id
-        """)
-        # Successes restart only when the open period ends: half-open takes one probe at a
-        # time, so the successes that close the breaker accumulate across probes.
-        self.acquire_probe = text(f"""
-            UPDATE outbox_breakers SET state = 'half_open',
-                successes = CASE WHEN state = 'open' THEN 0 ELSE successes END,
-                probe_until = {now} + :lease, updated_at = {now}
-            WHERE tenant_id = :tenant_id AND origin = :origin
-              AND ((state = 'open' AND open_until <= {now})
-                   OR (state = 'half_open' AND (probe_until IS NULL OR probe_until <= {now})))
         """)
         self.rescue = text(f"""
             UPDATE outbox_messages
@@ -361,68 +352,6 @@ async def insert_attempts(conn: AsyncConnection, rows: Sequence[dict[str, Any]])
         await conn.execute(_pg_attempt_insert(tuple(rows[0])), {"rows": json.dumps(list(rows))})
     else:
         await conn.execute(_INSERT_ATTEMPTS, list(rows))
-
-
-async def lock_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Any]:
-    """Breaker rows for ``keys`` (tenant, origin), locked in key order (no deadlocks)."""
-    wanted = sorted(set(keys))
-    if not wanted:
-        return {}
-    query = breakers.select().where(tuple_(breakers.c.tenant_id, breakers.c.origin).in_(wanted))
-    if _is_pg(conn):
-        query = query.order_by(breakers.c.tenant_id, breakers.c.origin).with_for_update()
-    rows = (await conn.execute(query)).mappings().all()
-    return {(r["tenant_id"], r["origin"]): dict(r) for r in rows}
-
-
-def _insert(conn: AsyncConnection) -> Any:
-    if _is_pg(conn):
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert
-
-
-async def ensure_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) -> None:
-    """Create missing breaker rows (closed, empty), leaving existing ones alone.
-
-    Run before :func:`lock_breakers`, so two daemons recording the first failures of an
-    endpoint at once both lock the same row and the second adds to the first's counts
-    (PostgreSQL makes the second INSERT wait for the first to commit) instead of both
-    starting from nothing and the later write erasing the earlier.
-    """
-    rows = [{"tenant_id": t, "origin": o} for t, o in sorted(set(keys))]
-    if rows:
-        await conn.execute(_insert(conn)(breakers).on_conflict_do_nothing(index_elements=["tenant_id", "origin"]),
-                           rows)
-
-
-BREAKER_COLUMNS = ("state", "failures", "successes", "trips", "open_until", "probe_until", "updated_at",
-                   "window_started_at", "window_attempts", "window_failures", "previous_attempts",
-                   "previous_failures")
-
-
-async def save_breakers(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    """Upsert breaker rows (one statement per batch, whatever the number of keys)."""
-    if not rows:
-        return
-    statement = _insert(conn)(breakers)
-    statement = statement.on_conflict_do_update(
-        index_elements=["tenant_id", "origin"], set_={c: statement.excluded[c] for c in BREAKER_COLUMNS}
-    )
-    await conn.execute(statement, [{k: row[k] for k in ("tenant_id", "origin", *BREAKER_COLUMNS)} for row in rows])
-
-
-async def insert_transitions(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
-    if rows:
-        await conn.execute(breaker_transitions.insert(), list(rows))
-
-
-async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> bool:
-    """Take the single half-open probe of a breaker whose open period is over."""
-    result = await conn.execute(sql(conn).acquire_probe,
-                                {"tenant_id": tenant_id, "origin": origin, "lease": lease_seconds})
-    return result.rowcount == 1
 
 
 async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> list[Any]:

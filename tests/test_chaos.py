@@ -76,7 +76,7 @@ async def test_half_open_breaker_closes_after_consecutive_probe_successes(any_ur
     with ``success_threshold`` 2 never closes again once it has tripped (the chaos run found
     every tripped breaker cycling half-open → open for minutes, none ever closing).
     """
-    from outbox import store
+    from outbox import breaker_rows, store
     from outbox.db import make_async_engine
     from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 
@@ -87,18 +87,18 @@ async def test_half_open_breaker_closes_after_consecutive_probe_successes(any_ur
     async def fold(results: list[bool]) -> dict:
         async with engine.begin() as conn:
             now = await store.db_now(conn)
-            row = (await store.lock_breakers(conn, [key])).get(key) or closed_row(*key)
+            row = (await breaker_rows.lock_breakers(conn, [key])).get(key) or closed_row(*key)
             new, _ = apply_outcomes(row, results, now=now, policy=policy)
-            await store.save_breakers(conn, [new])
+            await breaker_rows.save_breakers(conn, [new])
             return new
 
     async def probe() -> bool:
         async with engine.begin() as conn:
-            return await store.acquire_probe(conn, *key, lease_seconds=30)
+            return await breaker_rows.acquire_probe(conn, *key, lease_seconds=30)
 
     async def row() -> dict:
         async with engine.connect() as conn:
-            return (await store.lock_breakers(conn, [key]))[key]
+            return (await breaker_rows.lock_breakers(conn, [key]))[key]
 
     try:
         assert (await fold([False, False]))["state"] == "open"

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from sqlalchemy import text
 
-from outbox import store
+from outbox import breaker_rows, store
 from outbox.db import make_async_engine
 from outbox.store import _STATEMENTS
 from supervisor.cycle.breaker import closed_row
@@ -100,7 +100,7 @@ async def _breaker(engine: Any, tenant: str, open_for: float | None) -> None:
             await conn.execute(text("DELETE FROM outbox_breakers WHERE tenant_id = :t"), {"t": tenant})
             return
         now = await store.db_now(conn)
-        await store.save_breakers(conn, [{**closed_row(tenant, ORIGIN), "state": "open", "trips": 1,
+        await breaker_rows.save_breakers(conn, [{**closed_row(tenant, ORIGIN), "state": "open", "trips": 1,
                                           "open_until": now + open_for, "updated_at": now}])
 
 

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 from sqlalchemy import select, text, update
 
-from outbox import store
+from outbox import breaker_rows, store
 from outbox.db import make_async_engine, make_engine
 from outbox.schema import breakers, messages
 from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
@@ -106,7 +106,7 @@ async def test_claim_passes_over_an_open_breaker_and_takes_one_probe_after_it(en
     try:
         async with aengine.begin() as conn:
             now = await store.db_now(conn)
-            await store.save_breakers(conn, [{**closed_row("t1", "https://sick.example.com"), "state": "open",
+            await breaker_rows.save_breakers(conn, [{**closed_row("t1", "https://sick.example.com"), "state": "open",
                                               "trips": 1, "open_until": now + 60, "updated_at": now}])
         assert await _claim(aengine, cap=8) == [], "an open breaker's endpoint is passed over"
         async with aengine.begin() as conn:
@@ -115,7 +115,7 @@ async def test_claim_passes_over_an_open_breaker_and_takes_one_probe_after_it(en
         assert len(probe) == 1 and probe[0].breaker_state == "open", "once the open period is over: one probe"
         assert probe[0].idempotency_key == message_key("sick", 0)
         async with aengine.begin() as conn:
-            assert await store.acquire_probe(conn, "t1", "https://sick.example.com", 30)
+            assert await breaker_rows.acquire_probe(conn, "t1", "https://sick.example.com", 30)
         assert await _claim(aengine, cap=8) == [], "half-open with its probe out: nothing more"
     finally:
         await aengine.dispose()
@@ -156,10 +156,10 @@ async def test_breaker_row_created_by_two_daemons_at_once_keeps_both_failures(en
         async with aengine.begin() as conn:
             await started.wait()  # both transactions are open before either writes
             now = await store.db_now(conn)
-            await store.ensure_breakers(conn, [key])
-            row = (await store.lock_breakers(conn, [key]))[key]
+            await breaker_rows.ensure_breakers(conn, [key])
+            row = (await breaker_rows.lock_breakers(conn, [key]))[key]
             new, _ = apply_outcomes(row, [False], now=now, policy=policy)
-            await store.save_breakers(conn, [new])
+            await breaker_rows.save_breakers(conn, [new])
 
     try:
         if engine.dialect.name == "sqlite":  # one writer at a time: the barrier must not hold the lock

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import store
+from outbox import breaker_rows, store
 from outbox.config import Settings
 from outbox.store import Claimed
 from supervisor.observe import events, tracing
@@ -227,7 +227,7 @@ class Claimer:
             return True
         try:
             async with self._connection() as conn:
-                won = await store.acquire_probe(conn, message.tenant_id, message.origin or "",
+                won = await breaker_rows.acquire_probe(conn, message.tenant_id, message.origin or "",
                                                 self._settings.lease_seconds)
                 if won:
                     await events.probe_taken(conn, message.tenant_id, message.origin or "",

@@ -24,7 +24,7 @@ import structlog
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import store
+from outbox import breaker_rows, store
 from outbox.config import Settings
 from outbox.schema import subscribers
 from outbox.store import Claimed, Completion
@@ -368,8 +368,8 @@ class Completer:
                 # Any definitive answer shows the endpoint alive; only retryable failures count against it.
                 per_key[(o.message.tenant_id, o.message.origin)].append(o.action != "retry")
         had_row = {(o.message.tenant_id, o.message.origin) for o in batch if o.message.breaker_state is not None}
-        await store.ensure_breakers(conn, [k for k in per_key if k not in had_row])
-        rows = await store.lock_breakers(conn, per_key)
+        await breaker_rows.ensure_breakers(conn, [k for k in per_key if k not in had_row])
+        rows = await breaker_rows.lock_breakers(conn, per_key)
         changed, transitions, logged = [], [], []
         for key, results in per_key.items():
             row = rows.get(key) or closed_row(*key)
@@ -385,8 +385,8 @@ class Completer:
                                "daemon_id": self._daemon_id, "occurred_at": now})
                 self._log.warning("breaker.transition", tenant_id=key[0], origin=key[1], from_state=before,
                                   to_state=after, open_until=new["open_until"], trips=new["trips"])
-        await store.save_breakers(conn, changed)
-        await store.insert_transitions(conn, logged)
+        await breaker_rows.save_breakers(conn, changed)
+        await breaker_rows.insert_transitions(conn, logged)
         await events.breakers_moved(conn, logged)
         return transitions
 

@@ -1,0 +1,101 @@
+"""The statements of the breaker rows: ``outbox_breakers``, one row per endpoint (tenant,
+origin), and ``outbox_breaker_transitions``, one row per move between states.
+
+The completer folds each batch's outcomes into these rows (supervisor/cycle/completer.py),
+the claimer takes an endpoint's half-open probe (supervisor/cycle/claimer.py), and the claim
+statement reads them (outbox/claim_sql.py). The message state machine is outbox/store.py;
+the breaker's own rules are supervisor/cycle/breaker.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import TextClause, text, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox.schema import PG_NOW, SQLITE_NOW, breaker_transitions, breakers
+
+__all__ = ["BREAKER_COLUMNS", "acquire_probe", "ensure_breakers", "insert_transitions", "lock_breakers",
+           "save_breakers"]
+
+BREAKER_COLUMNS = ("state", "failures", "successes", "trips", "open_until", "probe_until", "updated_at",
+                   "window_started_at", "window_attempts", "window_failures", "previous_attempts",
+                   "previous_failures")
+
+
+def _probe_statement(now: str) -> TextClause:
+    # Successes restart only when the open period ends: half-open takes one probe at a
+    # time, so the successes that close the breaker accumulate across probes.
+    return text(f"""
+        UPDATE outbox_breakers SET state = 'half_open',
+            successes = CASE WHEN state = 'open' THEN 0 ELSE successes END,
+            probe_until = {now} + :lease, updated_at = {now}
+        WHERE tenant_id = :tenant_id AND origin = :origin
+          AND ((state = 'open' AND open_until <= {now})
+               OR (state = 'half_open' AND (probe_until IS NULL OR probe_until <= {now})))
+    """)
+
+
+_ACQUIRE_PROBE = {True: _probe_statement(PG_NOW), False: _probe_statement(SQLITE_NOW)}  # by "is PostgreSQL"
+
+
+def _pg(conn: AsyncConnection) -> bool:
+    return conn.dialect.name == "postgresql"
+
+
+def _insert(conn: AsyncConnection) -> Any:
+    """The dialect's ``insert`` (both have ``on_conflict_do_*``)."""
+    return (postgresql if _pg(conn) else sqlite).insert
+
+
+async def lock_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """Breaker rows for ``keys`` (tenant, origin), locked in key order (no deadlocks)."""
+    wanted = sorted(set(keys))
+    if not wanted:
+        return {}
+    query = breakers.select().where(tuple_(breakers.c.tenant_id, breakers.c.origin).in_(wanted))
+    if _pg(conn):
+        query = query.order_by(breakers.c.tenant_id, breakers.c.origin).with_for_update()
+    rows = (await conn.execute(query)).mappings().all()
+    return {(r["tenant_id"], r["origin"]): dict(r) for r in rows}
+
+
+async def ensure_breakers(conn: AsyncConnection, keys: Iterable[tuple[str, str]]) -> None:
+    """Create missing breaker rows (closed, empty), leaving existing ones alone.
+
+    Run before :func:`lock_breakers`, so two daemons recording the first failures of an
+    endpoint at once both lock the same row and the second adds to the first's counts
+    (PostgreSQL makes the second INSERT wait for the first to commit) instead of both
+    starting from nothing and the later write erasing the earlier.
+    """
+    rows = [{"tenant_id": t, "origin": o} for t, o in sorted(set(keys))]
+    if rows:
+        await conn.execute(_insert(conn)(breakers).on_conflict_do_nothing(index_elements=["tenant_id", "origin"]),
+                           rows)
+
+
+async def save_breakers(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
+    """Upsert breaker rows (one statement per batch, whatever the number of keys)."""
+    if not rows:
+        return
+    statement = _insert(conn)(breakers)
+    statement = statement.on_conflict_do_update(
+        index_elements=["tenant_id", "origin"], set_={c: statement.excluded[c] for c in BREAKER_COLUMNS}
+    )
+    await conn.execute(statement, [{k: row[k] for k in ("tenant_id", "origin", *BREAKER_COLUMNS)} for row in rows])
+
+
+async def insert_transitions(conn: AsyncConnection, rows: Sequence[dict[str, Any]]) -> None:
+    """Record breaker moves (``breaker.transition``), one row each."""
+    if rows:
+        await conn.execute(breaker_transitions.insert(), list(rows))
+
+
+async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> bool:
+    """Take the single half-open probe of a breaker whose open period is over."""
+    result = await conn.execute(_ACQUIRE_PROBE[_pg(conn)],
+                                {"tenant_id": tenant_id, "origin": origin, "lease": lease_seconds})
+    return result.rowcount == 1
