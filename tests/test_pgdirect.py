@@ -4,6 +4,8 @@ exactly what they do through SQLAlchemy, and the connection comes back after it 
 from __future__ import annotations
 
 import dataclasses
+import socket
+import threading
 
 import pytest
 from sqlalchemy import select, text
@@ -14,6 +16,7 @@ from outbox.db import make_async_engine
 from outbox.schema import attempts, messages
 from outbox.store import Completion
 from supervisor.cycle.pgdirect import DirectConnection
+from tests.test_db_blackhole import StallingProxy, stalling_proxy
 from tests.test_db_faults import enqueue_batch, message_key
 
 CLAIM = dict(limit=50, lease_seconds=30.0, horizon_seconds=86_400, endpoint_concurrency=16)
@@ -112,6 +115,80 @@ async def test_a_pipelined_pair_is_one_transaction_and_a_failed_first_statement_
         await engine.dispose()
         with pg_engine.begin() as conn:
             conn.execute(text("DROP TABLE direct_pair"))
+
+
+class TurnCountingProxy(StallingProxy):
+    """Forwards as :class:`StallingProxy` does and counts the client's turns: each time it
+    sends after the server last did, it has waited for an answer (a round trip)."""
+
+    turns = 0
+    _last = ""
+    _lock = threading.Lock()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        src.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        upstream = src.getpeername()[1] != self._target[1]
+        try:
+            while data := src.recv(65536):
+                with self._lock:
+                    if upstream and self._last != "up":
+                        self.turns += 1
+                    self._last = "up" if upstream else "down"
+                dst.sendall(data)
+        except OSError:
+            pass
+
+
+async def test_a_transaction_waits_only_for_the_rows_it_reads(pg_engine, pg_url, monkeypatch) -> None:
+    """A flush's shape (the clock, the completion's UPDATE ... RETURNING, two INSERTs whose
+    results nobody reads, the COMMIT) takes three round trips, not one per statement; an
+    INSERT that fails fails the COMMIT and undoes the whole transaction; and a failure in the
+    middle of a pipeline leaves the connection fit for the next transactions."""
+    with pg_engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS direct_flush (n int)"))
+        conn.execute(text("DELETE FROM direct_flush"))
+        conn.execute(text("INSERT INTO direct_flush VALUES (0)"))
+    monkeypatch.setattr("tests.test_db_blackhole.StallingProxy", TurnCountingProxy)
+    now = text("SELECT now() AS now")
+    bump = text("UPDATE direct_flush SET n = n + 1 WHERE n >= 0 RETURNING n")
+    add = text("INSERT INTO direct_flush SELECT CAST(:n AS int) / CAST(:d AS int)")
+    count = text("SELECT count(*) AS rows, max(n) AS top FROM direct_flush")
+
+    async def flush(conn: DirectConnection, value: int) -> None:
+        await conn.execute(now)
+        await conn.execute(bump)
+        await conn.execute(add, {"n": -value, "d": 1})
+        await conn.execute(add, {"n": value, "d": value})  # the value 0 makes the failing flush
+
+    with stalling_proxy(pg_url) as (proxy, url):
+        engine = make_async_engine(url)
+        direct = DirectConnection.of(engine, Settings())
+        assert direct is not None and isinstance(proxy, TurnCountingProxy)
+        try:
+            assert tuple((await direct.execute(count)).one()) == (1, 0)  # connected
+            for value in range(1, 8):  # past psycopg's threshold for preparing a statement
+                proxy.turns = 0
+                async with direct.transaction() as conn:
+                    await flush(conn, value)
+                assert proxy.turns == 3, f"{proxy.turns} round trips for a flush"
+            assert tuple((await direct.execute(count)).one()) == (15, 7)
+            with pytest.raises(Exception, match="division by zero"):
+                async with direct.transaction() as conn:
+                    await flush(conn, 0)
+            with pytest.raises(Exception, match="division by zero"):  # a failed INSERT, then rows read
+                async with direct.transaction() as conn:
+                    await conn.execute(add, {"n": 1, "d": 1})
+                    await conn.execute(text("SELECT CAST(1 / 0 AS int) AS never"))
+                    await conn.execute(bump)
+            for value in range(1, 3):
+                async with direct.transaction() as conn:
+                    await flush(conn, value)
+            assert tuple((await direct.execute(count)).one()) == (19, 9), "both failures undone whole"
+        finally:
+            await direct.aclose()
+            await engine.dispose()
+            with pg_engine.begin() as conn:
+                conn.execute(text("DROP TABLE direct_flush"))
 
 
 def test_sqlite_keeps_sqlalchemy(sqlite_url) -> None:

@@ -83,6 +83,12 @@ async def _result(cursor: AsyncRawCursor[Any]) -> DirectResult:
     return DirectResult(rows, cursor.rowcount)
 
 
+def _gives_nothing_back(sql: str) -> bool:
+    """Whether a statement returns nothing its caller reads: an INSERT without RETURNING."""
+    head = sql.lstrip()[:6].upper()
+    return head == "INSERT" and "RETURNING" not in sql.upper()
+
+
 def libpq_url(url: str) -> str:
     """A SQLAlchemy URL (``postgresql+psycopg://…``) as libpq takes it."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
@@ -103,6 +109,7 @@ class DirectConnection:
             self._options["prepare_threshold"] = None  # another client's statements may share the name
         self._timeout = settings.database_statement_timeout_seconds
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._pipeline: psycopg.AsyncPipeline | None = None  # inside transaction(): its statements' pipeline
         self._sql: dict[tuple[int, tuple[str, ...]], tuple[ClauseElement, str, tuple[str, ...]]] = {}
 
     @classmethod
@@ -122,7 +129,11 @@ class DirectConnection:
                     sql, names = self._compiled(statement, params[0])
                     await cursor.executemany(sql, [tuple(row[n] for n in names) for row in params])
                 return DirectResult([], cursor.rowcount)
-            await self._run(cursor, statement, params)
+            sql = await self._run(cursor, statement, params)
+            if self._pipeline is not None:
+                if _gives_nothing_back(sql):
+                    return DirectResult([], -1)  # sent: it goes with the next statement or the COMMIT
+                await self._pipeline.sync()
             return await _result(cursor)
 
     async def execute_after(self, first: ClauseElement, statement: ClauseElement,
@@ -143,9 +154,29 @@ class DirectConnection:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator["DirectConnection"]:
-        """Run the block's statements in one transaction (committed unless it raises)."""
-        async with self._guarded() as conn, conn.transaction():
-            yield self
+        """Run the block's statements in one transaction (committed unless it raises), with
+        one round trip per statement whose answer the block reads, and one for the ``COMMIT``.
+
+        The block runs in a pipeline: ``BEGIN`` goes with the first statement whose answer is
+        read, and a statement that returns nothing (an INSERT without RETURNING: a flush's
+        attempt rows, its endpoint statistics) is only sent, to go with the next one or the
+        ``COMMIT``. A flush of the common kind takes three round trips instead of six. A
+        failure of such a statement shows at the ``COMMIT``, which then fails: the transaction
+        is rolled back whole, as any failure in the block rolls it back.
+        """
+        async with self._guarded() as conn:
+            try:
+                async with conn.pipeline() as pipeline:
+                    await conn.execute("BEGIN", prepare=False)
+                    self._pipeline = pipeline
+                    yield self
+                    self._pipeline = None
+                    await conn.execute("COMMIT", prepare=False)  # goes, with what waits, as the pipeline ends
+            except BaseException:
+                self._pipeline = None
+                if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    await conn.execute("ROLLBACK", prepare=False)
+                raise
 
     @asynccontextmanager
     async def _guarded(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -160,9 +191,16 @@ class DirectConnection:
             raise
 
     async def _run(self, cursor: AsyncRawCursor[Any], statement: ClauseElement,
-                   params: Mapping[str, Any] | None) -> None:
+                   params: Mapping[str, Any] | None) -> str:
+        """Send ``statement``; inside :meth:`transaction` unprepared. After a statement fails
+        inside a pipeline, psycopg can count as prepared a statement the server never kept,
+        and every later run of it fails with "prepared statement does not exist" (seen when
+        the database refuses a completion: tests/test_db_faults.py). A flush's statements run
+        once per batch, so preparing them saved little."""
         sql, names = self._compiled(statement, params)
-        await cursor.execute(sql, tuple(params[n] for n in names) if params else None)
+        await cursor.execute(sql, tuple(params[n] for n in names) if params else None,
+                             prepare=False if self._pipeline is not None else None)
+        return sql
 
     @contextmanager
     def _deadline(self, conn: psycopg.AsyncConnection[Any]) -> Iterator[None]:
