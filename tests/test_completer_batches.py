@@ -4,7 +4,8 @@ A round of ``OUTBOX_CONCURRENCY`` outcomes starts a flush early; the flush then 
 outcome waiting, up to ``FLUSH_MAX``. Unrecorded outcomes hold leases the claimer counts
 against its budget, so flushes of one round each, while more waited, kept a daemon sending to
 many origins waiting out one flush after another (docs/performance.md, "Design choices, each
-measured against the alternative").
+measured against the alternative"). On PostgreSQL a flush of the common kind waits for three
+answers from the database, not one per statement.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.completer import FLUSH_MAX, Completer
 from supervisor.cycle.outage import OutageGuard
 from supervisor.observe.metrics import Metrics
+from tests.test_db_blackhole import stalling_proxy
 from tests.test_db_faults import enqueue_batch, message_key
+from tests.test_pgdirect import TurnCountingProxy
 
 WAITING = FLUSH_MAX + 50  # more than one flush may take
 
@@ -67,3 +70,32 @@ async def test_a_flush_records_every_outcome_waiting_up_to_its_maximum(engine):
     with engine.connect() as conn:
         delivered = conn.execute(select(func.count()).where(messages.c.state == "delivered")).scalar_one()
     assert delivered == WAITING
+
+
+async def test_a_flush_waits_for_three_answers_from_postgresql(pg_engine, pg_url, monkeypatch):
+    """The clock (with ``BEGIN``), the completion's ``UPDATE ... RETURNING``, then the attempt
+    rows, the endpoint statistics and the ``COMMIT`` together: three round trips, whatever
+    the batch's size (one per statement before: six)."""
+    monkeypatch.setattr("tests.test_db_blackhole.StallingProxy", TurnCountingProxy)
+    enqueue_batch(pg_engine, [(f"t{i % 3}", "https://buyer.example.com/hook", message_key("trips", i))
+                              for i in range(50)])
+    with stalling_proxy(pg_url) as (proxy, url):
+        settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": url})
+        aengine = make_async_engine(url)
+        completer = Completer(aengine, settings=settings, daemon_id="unit", metrics=Metrics(),
+                              fanout=SinkFanout([], timeout=1), outage=OutageGuard(5))
+        try:
+            async with aengine.begin() as conn:
+                claimed = await store.claim(conn, limit=50, lease_seconds=30, horizon_seconds=86_400,
+                                            daemon_id="unit", endpoint_concurrency=50)
+            outcomes = [Outcome(m, "delivered", "success", http_status=200, sent=True) for m in claimed]
+            await completer.flush(outcomes[:1])  # opens the completer's own connection
+            assert isinstance(proxy, TurnCountingProxy)
+            proxy.turns = 0
+            await completer.flush(outcomes[1:])
+            assert proxy.turns == 3, f"{proxy.turns} round trips for a flush of {len(outcomes) - 1}"
+        finally:
+            await completer.aclose()
+            await aengine.dispose()
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(func.count()).where(messages.c.state == "delivered")).scalar_one() == 50
