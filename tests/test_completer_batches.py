@@ -72,14 +72,13 @@ async def test_a_flush_records_every_outcome_waiting_up_to_its_maximum(engine):
     assert delivered == WAITING
 
 
-async def test_a_flush_waits_for_three_answers_from_postgresql(pg_engine, pg_url, monkeypatch):
+async def test_a_flush_waits_for_three_answers_from_postgresql(pg_engine, pg_url):
     """The clock (with ``BEGIN``), the completion's ``UPDATE ... RETURNING``, then the attempt
     rows, the endpoint statistics and the ``COMMIT`` together: three round trips, whatever
     the batch's size (one per statement before: six)."""
-    monkeypatch.setattr("tests.test_db_blackhole.StallingProxy", TurnCountingProxy)
     enqueue_batch(pg_engine, [(f"t{i % 3}", "https://buyer.example.com/hook", message_key("trips", i))
                               for i in range(50)])
-    with stalling_proxy(pg_url) as (proxy, url):
+    with stalling_proxy(pg_url, TurnCountingProxy) as (proxy, url):
         settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": url})
         aengine = make_async_engine(url)
         completer = Completer(aengine, settings=settings, daemon_id="unit", metrics=Metrics(),

@@ -79,9 +79,10 @@ class StallingProxy:
 
 
 @contextmanager
-def stalling_proxy(url: str) -> Iterator[tuple[StallingProxy, str]]:
+def stalling_proxy(url: str, kind: type[StallingProxy] = StallingProxy) -> Iterator[tuple[StallingProxy, str]]:
+    """A ``kind`` of proxy to ``url``'s server, and ``url`` through it."""
     parsed = make_url(url)
-    proxy = StallingProxy((parsed.host or "127.0.0.1", parsed.port or 5432))
+    proxy = kind((parsed.host or "127.0.0.1", parsed.port or 5432))
     try:
         yield proxy, parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     finally:

@@ -101,7 +101,7 @@ async def _breaker(engine: Any, tenant: str, open_for: float | None) -> None:
             return
         now = await store.db_now(conn)
         await breaker_rows.save_breakers(conn, [{**closed_row(tenant, ORIGIN), "state": "open", "trips": 1,
-                                          "open_until": now + open_for, "updated_at": now}])
+                                                 "open_until": now + open_for, "updated_at": now}])
 
 
 async def test_new_work_behind_a_backoff_or_a_closed_breaker_goes_at_once(pg_engine):

@@ -121,9 +121,11 @@ class TurnCountingProxy(StallingProxy):
     """Forwards as :class:`StallingProxy` does and counts the client's turns: each time it
     sends after the server last did, it has waited for an answer (a round trip)."""
 
-    turns = 0
-    _last = ""
-    _lock = threading.Lock()
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.turns = 0
+        self._last = ""
+        self._lock = threading.Lock()
+        super().__init__(target)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         src.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -139,7 +141,7 @@ class TurnCountingProxy(StallingProxy):
             pass
 
 
-async def test_a_transaction_waits_only_for_the_rows_it_reads(pg_engine, pg_url, monkeypatch) -> None:
+async def test_a_transaction_waits_only_for_the_rows_it_reads(pg_engine, pg_url) -> None:
     """A flush's shape (the clock, the completion's UPDATE ... RETURNING, two INSERTs whose
     results nobody reads, the COMMIT) takes three round trips, not one per statement; an
     INSERT that fails fails the COMMIT and undoes the whole transaction; and a failure in the
@@ -148,7 +150,6 @@ async def test_a_transaction_waits_only_for_the_rows_it_reads(pg_engine, pg_url,
         conn.execute(text("CREATE TABLE IF NOT EXISTS direct_flush (n int)"))
         conn.execute(text("DELETE FROM direct_flush"))
         conn.execute(text("INSERT INTO direct_flush VALUES (0)"))
-    monkeypatch.setattr("tests.test_db_blackhole.StallingProxy", TurnCountingProxy)
     now = text("SELECT now() AS now")
     bump = text("UPDATE direct_flush SET n = n + 1 WHERE n >= 0 RETURNING n")
     add = text("INSERT INTO direct_flush SELECT CAST(:n AS int) / CAST(:d AS int)")
@@ -160,7 +161,7 @@ async def test_a_transaction_waits_only_for_the_rows_it_reads(pg_engine, pg_url,
         await conn.execute(add, {"n": -value, "d": 1})
         await conn.execute(add, {"n": value, "d": value})  # the value 0 makes the failing flush
 
-    with stalling_proxy(pg_url) as (proxy, url):
+    with stalling_proxy(pg_url, TurnCountingProxy) as (proxy, url):
         engine = make_async_engine(url)
         direct = DirectConnection.of(engine, Settings())
         assert direct is not None and isinstance(proxy, TurnCountingProxy)

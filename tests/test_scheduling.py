@@ -106,8 +106,9 @@ async def test_claim_passes_over_an_open_breaker_and_takes_one_probe_after_it(en
     try:
         async with aengine.begin() as conn:
             now = await store.db_now(conn)
-            await breaker_rows.save_breakers(conn, [{**closed_row("t1", "https://sick.example.com"), "state": "open",
-                                              "trips": 1, "open_until": now + 60, "updated_at": now}])
+            await breaker_rows.save_breakers(conn, [{**closed_row("t1", "https://sick.example.com"),
+                                                     "state": "open", "trips": 1, "open_until": now + 60,
+                                                     "updated_at": now}])
         assert await _claim(aengine, cap=8) == [], "an open breaker's endpoint is passed over"
         async with aengine.begin() as conn:
             await conn.execute(update(breakers).values(open_until=now - 1))

@@ -228,7 +228,7 @@ class Claimer:
         try:
             async with self._connection() as conn:
                 won = await breaker_rows.acquire_probe(conn, message.tenant_id, message.origin or "",
-                                                self._settings.lease_seconds)
+                                                       self._settings.lease_seconds)
                 if won:
                     await events.probe_taken(conn, message.tenant_id, message.origin or "",
                                              message.breaker_open_until, await store.db_now(conn))

@@ -25,6 +25,7 @@ parameter and forbids ``SET`` between transactions. Behind a transaction pooler
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import re
@@ -83,6 +84,7 @@ async def _result(cursor: AsyncRawCursor[Any]) -> DirectResult:
     return DirectResult(rows, cursor.rowcount)
 
 
+@functools.lru_cache(maxsize=_CACHE_SIZE)  # the few statements' rendered SQL: each judged once
 def _gives_nothing_back(sql: str) -> bool:
     """Whether a statement returns nothing its caller reads: an INSERT without RETURNING."""
     head = sql.lstrip()[:6].upper()
@@ -122,7 +124,8 @@ class DirectConnection:
     async def execute(self, statement: ClauseElement, params: Params = None) -> DirectResult:
         """Run ``statement`` (a ``text()`` or an ``insert()`` of :mod:`outbox.schema`, kept for
         reuse: its rendering is cached by identity) with ``params``, or once per mapping of a
-        list of them (no rows returned then)."""
+        list of them (no rows returned then). Inside :meth:`transaction` an INSERT without
+        RETURNING is only sent, and its result (no rows, row count -1) returned at once."""
         async with self._guarded() as conn, AsyncRawCursor(conn, row_factory=namedtuple_row) as cursor:
             if isinstance(params, Sequence):
                 if params:
@@ -169,11 +172,12 @@ class DirectConnection:
                 async with conn.pipeline() as pipeline:
                     await conn.execute("BEGIN", prepare=False)
                     self._pipeline = pipeline
-                    yield self
-                    self._pipeline = None
+                    try:
+                        yield self
+                    finally:
+                        self._pipeline = None
                     await conn.execute("COMMIT", prepare=False)  # goes, with what waits, as the pipeline ends
             except BaseException:
-                self._pipeline = None
                 if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                     await conn.execute("ROLLBACK", prepare=False)
                 raise
