@@ -9,7 +9,7 @@ import statistics
 from html import unescape
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from sqlalchemy import delete, func, select
 
@@ -172,13 +172,15 @@ def test_job_actions_refuse_forgery_and_answer_mistakes_with_a_sentence(engine, 
         assert answer.status_code == 400 and words in unescape(answer.text) and "Traceback" not in answer.text
     assert job_state(engine) == []
     assert client.post("/jobs/1/explode", data={"csrf": csrf}).status_code == 404
-    for ref in ("¹", "9" * 25, "7"):
+    for ref in ("¹", "9" * 25, "7", "0"):
         assert client.get(f"/jobs/{ref}").status_code == 404
     assert client.get("/jobs/not-a-job").status_code == 404
 
 
 @given(st.dictionaries(st.sampled_from(["tenant", "since", "until", "origin", "reason", "rate", "kind"]),
                       st.one_of(st.sampled_from(["cancel", "replay", "2h", "1h"]), st.text(max_size=30))))
+@example({"tenant": "0"})
+@example({"tenant": "000"})
 def test_any_typed_job_is_a_selection_or_a_sentence(fields):
     try:
         selection = job_selection(fields)

@@ -106,8 +106,9 @@ def job_rate(value: Any) -> float:
 
 
 def job_number(value: str) -> int | None:
-    """A job id from an address; ``None`` for anything that cannot be one ("¹", past BIGINT)."""
-    return int(value) if value.isascii() and value.isdigit() and 0 < len(value) < 19 else None
+    """A job id from an address; ``None`` for anything that cannot be one ("¹", "0", past BIGINT)."""
+    number = int(value) if value.isascii() and value.isdigit() and 0 < len(value) < 19 else 0
+    return number if number > 0 else None  # job ids count from 1
 
 
 def health_window(value: str | None) -> tuple[str, int]:
