@@ -20,7 +20,8 @@ from sqlalchemy.engine import make_url
 from outbox.config import Settings, load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
-from tests import pgserver, ts_sdk
+from tests import pgserver, procs, ts_sdk
+from tests.pgcluster import PgCluster
 
 # `pytest --hypothesis-profile=slow`: property tests that size themselves from the profile
 # (tests/test_url_fidelity.py) run 5,000 examples instead of their default.
@@ -168,6 +169,32 @@ def sqlite_engine(sqlite_url: str) -> Iterator[Engine]:
     engine = make_engine(sqlite_url)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def keypair(tmp_path: Path) -> tuple[Path, Path]:
+    """A signing key PEM and its public JWKS file, for a daemon and a verifying receiver."""
+    return procs.make_key(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[PgCluster]:
+    """A private PostgreSQL cluster the module's tests may stop, crash or restart."""
+    private = PgCluster()
+    yield private
+    private.cleanup()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated database a test may break: a SQLite file, or one on the private cluster."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'outbox.db'}"
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        return url
+    return request.getfixturevalue("cluster").migrated_database()
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

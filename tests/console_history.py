@@ -24,7 +24,8 @@ from outbox.schema import attempts, breakers, db_now, messages
 from supervisor.keys import keyring
 from supervisor.observe import health_stats
 from supervisor.wire.signing import generate_signing_key_pem, load_signing_key
-from tests.test_e2e import SETTINGS
+
+from tests.ledger import PRODUCER
 
 ENDPOINTS = (("acme", "http://127.0.0.1:9001"), ("acme", "http://127.0.0.1:9002"), ("globex", "http://127.0.0.1:9003"))
 OPEN_ENDPOINT = ENDPOINTS[2]
@@ -61,7 +62,7 @@ def seed(engine: Engine, directory: Path, *, per_endpoint: int = 40, rng_seed: i
             for n in range(per_endpoint):
                 key = outbox.enqueue_task_webhook(
                     conn, tenant_id=tenant, task_id=f"task_{e}_{n}", task_type="create_media_buy",
-                    status="completed", result={"media_buy_id": f"mb_{e}_{n}"}, settings=SETTINGS,
+                    status="completed", result={"media_buy_id": f"mb_{e}_{n}"}, settings=PRODUCER,
                     push_notification_config={"url": f"{origin}/hooks/{n}", "token": "console-test-token-0123456789",
                                               "operation_id": f"op_{e}_{n}"}).idempotency_key
                 message_id = conn.execute(select(messages.c.id).where(messages.c.idempotency_key == key)).scalar_one()
@@ -105,7 +106,7 @@ def _featured(conn, now: float) -> int:
     """A message that met a 503, another 503 and a timeout, then was delivered."""
     key = outbox.enqueue_task_webhook(
         conn, tenant_id="acme", task_id="task_featured", task_type="create_media_buy", status="completed",
-        result={"media_buy_id": "mb_featured"}, settings=SETTINGS,
+        result={"media_buy_id": "mb_featured"}, settings=PRODUCER,
         push_notification_config={"url": f"{ENDPOINTS[0][1]}/hooks/featured?sig=query-secret",
                                   "token": "console-test-token-0123456789", "operation_id": "op_featured"},
     ).idempotency_key

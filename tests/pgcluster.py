@@ -19,6 +19,8 @@ import uuid
 
 import psycopg
 
+from outbox.db import make_engine
+from outbox.migrate import upgrade
 from tests.pgserver import _pg_bin, run_as_postgres
 from tests.procs import free_port
 
@@ -97,6 +99,14 @@ class PgCluster:
         with psycopg.connect(self.server_url, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def migrated_database(self) -> str:
+        """A new database with the outbox schema; returns its URL."""
+        url = self.create_database()
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        return url
 
     def cleanup(self) -> None:
         if self._cleaned:

@@ -7,7 +7,7 @@ answer past the read timeout, a connection reset, or a hang), twelve tenants spr
 them, a producer enqueueing while everything else happens, the daemon SIGKILLed five times
 (and started again at once) and PostgreSQL crashed (``immediate`` stop) and started once.
 
-What must hold at the end (``check_ledger`` in ``tests/test_db_faults.py``):
+What must hold at the end (``check_ledger`` in ``tests/ledger.py``):
 
 * zero lost: every message is ``delivered`` and the receivers logged a 200 for every key;
 * zero corrupted: every arrival of a key carries the stored bytes (same SHA-256) and a
@@ -46,12 +46,7 @@ import outbox
 from outbox.db import make_engine
 from outbox.schema import attempts, breaker_transitions, messages
 from tests import procs
-from tests.test_db_faults import (
-    all_finished, any_url, check_ledger, cluster, daemon_events, enqueue_batch, fresh_database, keypair,
-    message_key, state_counts,
-)
-
-__all__ = ["any_url", "cluster", "keypair"]  # fixtures shared with test_db_faults
+from tests.ledger import check_ledger, daemon_events, enqueue_batch, finished, message_key, states
 
 MESSAGES = 5000
 RECEIVERS = 4
@@ -154,13 +149,13 @@ async def test_claimer_counts_unrecorded_outcomes_against_its_concurrency(any_ur
     task = asyncio.create_task(claimer.run())
     try:
         await asyncio.sleep(1.0)
-        held = state_counts(sync)["in_flight"]
+        held = states(sync)["in_flight"]
         assert 4 <= held <= 3 * 4, f"{held} of 30 leased by a daemon with concurrency 4 that records nothing"
         await asyncio.sleep(0.5)
-        assert state_counts(sync)["in_flight"] == held == completer.backlog, "claiming must pause"
+        assert states(sync)["in_flight"] == held == completer.backlog, "claiming must pause"
         completer.outcomes.clear()  # the completer caught up
         await asyncio.sleep(0.5)
-        assert state_counts(sync)["in_flight"] > held, "claiming resumes once the completer catches up"
+        assert states(sync)["in_flight"] > held, "claiming resumes once the completer catches up"
     finally:
         claimer.stop()
         await asyncio.wait_for(task, 5)
@@ -217,7 +212,7 @@ async def test_claimer_claims_again_for_freed_slots_only_when_work_was_left_behi
 @pytest.mark.e2e
 def test_chaos_sigkill_and_postgresql_crash_lose_nothing(cluster, tmp_path, keypair):
     pem, jwks = keypair
-    url = fresh_database(cluster)
+    url = cluster.migrated_database()
     engine = make_engine(url, pool_pre_ping=True)
     env = procs.daemon_env(url, pem, connect_timeout_seconds=1, read_timeout_seconds=2, shutdown_grace_seconds=3,
                            concurrency=CONCURRENCY, endpoint_concurrency=ENDPOINT_CONCURRENCY)
@@ -265,7 +260,7 @@ def test_chaos_sigkill_and_postgresql_crash_lose_nothing(cluster, tmp_path, keyp
                     assert daemon.poll() is None, f"daemon exited on its own: rc={daemon.returncode}"
                     if cluster.is_running():
                         try:
-                            leased.append(state_counts(engine)["in_flight"])
+                            leased.append(states(engine)["in_flight"])
                         except Exception:  # noqa: BLE001 - the crash window
                             pass
                     time.sleep(0.5)
@@ -285,9 +280,10 @@ def test_chaos_sigkill_and_postgresql_crash_lose_nothing(cluster, tmp_path, keyp
             producer.join(max(BUDGET_SECONDS - (time.monotonic() - began), 1))
             assert not producer.is_alive() and not producer_error, producer_error
             remaining = BUDGET_SECONDS - (time.monotonic() - began)
-            finished = procs.wait_until(lambda: all_finished(engine, MESSAGES), max(remaining, 1), interval=1)
+            converged = procs.wait_until(lambda: finished(engine, MESSAGES, final=("delivered",)), max(remaining, 1),
+                                         interval=1)
             elapsed = time.monotonic() - began
-            assert finished, f"not converged in {elapsed:.0f} s: {state_counts(engine)}"
+            assert converged, f"not converged in {elapsed:.0f} s: {states(engine)}"
             assert daemon.poll() is None, "the last daemon must still be running"
             # SIGTERM before the signal handlers are installed would just kill it: let it finish starting.
             assert procs.wait_until(lambda: any(e.get("event") == "daemon.started"

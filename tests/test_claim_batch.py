@@ -22,7 +22,8 @@ from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.claimer import Claimer
 from supervisor.observe.metrics import Metrics
 from supervisor.cycle.outage import OutageGuard
-from tests.test_db_faults import enqueue_batch, message_key
+
+from tests.ledger import enqueue_batch, message_key
 
 URL = "https://buyer.example.com/hook"
 

@@ -18,7 +18,7 @@ from outbox.config import Settings, effective
 from outbox.schema import DEAD_REASONS, attempts, breakers, messages
 from supervisor.cli import build_parser, main
 from tests import procs
-from tests.test_e2e import enqueue_many
+from tests.ledger import enqueue_many
 
 ROOT = Path(__file__).resolve().parent.parent
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

@@ -17,8 +17,8 @@ import pytest
 
 from outbox.config import load_settings
 from outbox.schema import breakers, messages
+from tests.ledger import enqueue_many
 from tests.test_cli import cli, dead_with_an_attempt, one_line, url_of
-from tests.test_e2e import enqueue_many
 
 ROOT = Path(__file__).resolve().parent.parent
 READ_COMMANDS = [["status"], ["list"], ["show", "1"], ["breakers", "list"], ["keys", "list"], ["keys", "jwks"],

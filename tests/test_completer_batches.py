@@ -23,9 +23,9 @@ from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.completer import FLUSH_MAX, Completer
 from supervisor.cycle.outage import OutageGuard
 from supervisor.observe.metrics import Metrics
-from tests.test_db_blackhole import stalling_proxy
-from tests.test_db_faults import enqueue_batch, message_key
-from tests.test_pgdirect import TurnCountingProxy
+
+from tests.db_proxies import TurnCountingProxy, stalling_proxy
+from tests.ledger import enqueue_batch, message_key
 
 WAITING = FLUSH_MAX + 50  # more than one flush may take
 

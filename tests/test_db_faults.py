@@ -20,183 +20,25 @@ What is proven, each by its own test:
   outcome, the rescuer logs it ``abandoned``, a late retry of it changes nothing;
 * shutdown: the drain records a batch the completer had already taken off its queue.
 
-``check_ledger`` holds the end-of-run invariants shared with ``tests/test_chaos.py``.
+``check_ledger`` (tests/ledger.py) holds the end-of-run invariants.
 """
 
 from __future__ import annotations
 
-import collections
-import json
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import select
-from sqlalchemy.exc import OperationalError
 
 import outbox
 from outbox.db import make_engine
-from outbox.migrate import upgrade
-from outbox.schema import attempts, messages
 from tests import procs
-from tests.pgcluster import PgCluster
+from tests.ledger import (arrivals_by_key, check_ledger, daemon_events, enqueue_batch, exit_line, finished,
+                          load_attempts, load_messages, message_key, states)
 
 pytestmark = pytest.mark.e2e
-PRODUCER = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
-
-
-# ---------------------------------------------------------------------------------------
-# Helpers shared with tests/test_chaos.py.
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[PgCluster]:
-    c = PgCluster()
-    yield c
-    c.cleanup()
-
-
-def fresh_database(cluster: PgCluster) -> str:
-    url = cluster.create_database()
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    return url
-
-
-def message_key(run: str, n: int) -> str:
-    return f"whk_test_{run}_{n:08d}"
-
-
-def enqueue_batch(engine: Any, items: Iterable[tuple[str, str, str]], *, retry_for: float = 60.0) -> None:
-    """Enqueue ``(tenant, url, key)`` items in one seller transaction, retried while the database is away.
-
-    The caller chooses the keys, so a retry after an ambiguous commit is an idempotent
-    replay of the same bytes (the same key and payload return the stored message).
-    """
-    items = list(items)
-    deadline = time.monotonic() + retry_for
-    while True:
-        try:
-            with engine.begin() as conn:
-                for tenant, url, key in items:
-                    outbox.enqueue(conn, tenant_id=tenant, url=url, idempotency_key=key, settings=PRODUCER,
-                                   payload={"kind": "test", "tenant": tenant, "key_again": key, "pad": "x" * 64})
-            return
-        except OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
-def load_messages(engine: Any) -> dict[str, Any]:
-    with engine.connect() as conn:
-        return {r.idempotency_key: r for r in conn.execute(select(
-            messages.c.id, messages.c.idempotency_key, messages.c.tenant_id, messages.c.url, messages.c.state,
-            messages.c.dead_reason, messages.c.attempts, messages.c.body_sha256, messages.c.lease_expires_at))}
-
-
-def load_attempts(engine: Any) -> dict[int, list[Any]]:
-    out: dict[int, list[Any]] = collections.defaultdict(list)
-    with engine.connect() as conn:
-        for r in conn.execute(select(attempts.c.message_id, attempts.c.attempt_number, attempts.c.outcome,
-                                     attempts.c.idempotency_key, attempts.c.daemon_id, attempts.c.occurred_at,
-                                     attempts.c.error).order_by(attempts.c.id)):
-            out[r.message_id].append(r)
-    return out
-
-
-def arrivals_by_key(*logs: Path) -> dict[str, list[dict[str, Any]]]:
-    by_key: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
-    for log in logs:
-        for arrival in procs.arrivals(log):
-            by_key[arrival["key"]].append(arrival)
-    return by_key
-
-
-def state_counts(engine: Any) -> collections.Counter[str]:
-    return collections.Counter(m.state for m in load_messages(engine).values())
-
-
-def all_finished(engine: Any, total: int, *, final: Iterable[str] = ("delivered",)) -> bool:
-    try:
-        counts = state_counts(engine)
-    except OperationalError:
-        return False
-    return sum(counts[s] for s in final) == total
-
-
-def daemon_events(log: Path) -> list[dict[str, Any]]:
-    events = []
-    for line in log.read_text(errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            events.append(event)
-    return events
-
-
-def check_ledger(engine: Any, logs: Iterable[Path], *, never_delivered: Iterable[str] = ()) -> dict[str, Any]:
-    """The invariants every fault test ends with; returns a small summary for the caller.
-
-    * every arrival is of a stored message, verified, with exactly the stored bytes;
-    * a message is ``delivered`` only if the receiver logged a 200 for its key, and it has
-      exactly one ``success`` attempt row (never lost, never recorded twice);
-    * its attempt rows are exactly 1..attempts, one row per number
-      (an attempt cut short by a crash has its ``abandoned`` row);
-    * there are at least as many attempt rows as arrivals (every request is in the log).
-    """
-    stored = load_messages(engine)
-    by_id = {m.id: m for m in stored.values()}
-    rows = load_attempts(engine)
-    by_key = arrivals_by_key(*logs)
-    never = set(never_delivered)
-    summary = collections.Counter()
-    for key, arrived in by_key.items():
-        assert key in stored, f"the receiver got a key that was never enqueued: {key!r}"
-        sha = bytes(stored[key].body_sha256).hex()
-        for a in arrived:
-            assert a["sha256"] == sha, f"{key}: an arrival carried different bytes"
-            assert a["verified"], f"{key}: an arrival failed signature verification: {a['problem']}"
-    for key, m in stored.items():
-        arrived = by_key.get(key, [])
-        real = rows.get(m.id, [])
-        numbers = sorted(r.attempt_number for r in real)
-        assert numbers == list(range(1, m.attempts + 1)), \
-            f"{key}: attempt rows {[(r.attempt_number, r.outcome) for r in rows.get(m.id, [])]} " \
-            f"do not cover 1..{m.attempts} exactly once ({m.state}, {len(arrived)} arrivals)"
-        assert all(r.idempotency_key == key for r in rows.get(m.id, []))
-        successes = sum(r.outcome == "success" for r in real)
-        assert len(real) >= len(arrived), f"{key}: {len(arrived)} arrivals but only {len(real)} attempt rows"
-        if m.state == "delivered":
-            assert any(a["status"] == 200 for a in arrived), f"{key}: delivered without a 200 at the receiver"
-            assert successes == 1, f"{key}: delivered with {successes} success rows"
-            assert key not in never, f"{key}: delivered from an endpoint that never accepts"
-        else:
-            assert successes == 0, f"{key}: {m.state} but has a success row"
-        summary[m.state] += 1
-        summary["arrivals"] += len(arrived)
-        summary["resent"] += max(len(arrived) - 1, 0)
-        summary["abandoned"] += sum(r.outcome == "abandoned" for r in real)
-    for message_id in rows:
-        assert message_id in by_id, f"attempt rows for unknown message {message_id}"
-    return dict(summary)
-
-
-@pytest.fixture(scope="module")
-def keypair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return procs.make_key(tmp_path_factory.mktemp("keys"))
-
-
-def _exit_line(log: Path) -> str:
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("outboxd run:")]
-    return lines[-1] if lines else ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,7 +46,7 @@ def _exit_line(log: Path) -> str:
 
 def test_daemon_rides_out_postgresql_restarts(cluster, tmp_path, keypair):
     pem, jwks = keypair
-    url = fresh_database(cluster)
+    url = cluster.migrated_database()
     engine = make_engine(url, pool_pre_ping=True)
     log = tmp_path / "daemon.log"
     with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log):
@@ -226,22 +68,22 @@ def test_daemon_rides_out_postgresql_restarts(cluster, tmp_path, keypair):
                     enqueue_batch(engine, batch)
 
             produce(200)
-            assert procs.wait_until(lambda: state_counts(engine)["delivered"] >= 40, 30)
+            assert procs.wait_until(lambda: states(engine)["delivered"] >= 40, 30)
             cluster.restart("fast")  # a clean restart: every session is ended
             produce(200)
-            assert procs.wait_until(lambda: state_counts(engine)["delivered"] >= 200, 60)
+            assert procs.wait_until(lambda: states(engine)["delivered"] >= 200, 60)
             cluster.restart("immediate", down_seconds=3)  # a crash, down for 3 s (under the deadline)
             produce(200)
             total = next(counter)
-            done = lambda: state_counts(engine)["delivered"] == total * 3 // 4  # noqa: E731
-            assert procs.wait_until(done, 90), state_counts(engine)
-            assert daemon.poll() is None, f"the daemon exited: {_exit_line(log)}"
+            done = lambda: states(engine)["delivered"] == total * 3 // 4  # noqa: E731
+            assert procs.wait_until(done, 90), states(engine)
+            assert daemon.poll() is None, f"the daemon exited: {exit_line(log)}"
             events = {e.get("event") for e in daemon_events(log)}
             assert "database.error" in events and "database.recovered" in events
             assert "database.unreachable" not in events
         finally:
             rc = procs.stop(daemon)
-        assert rc == 0, _exit_line(log)
+        assert rc == 0, exit_line(log)
         down = [m.idempotency_key for m in load_messages(engine).values() if m.tenant_id == "t-down"]
         summary = check_ledger(engine, [arrivals_log], never_delivered=down)
         assert summary["delivered"] == total * 3 // 4 and summary["pending"] == total // 4, summary
@@ -253,7 +95,7 @@ def test_daemon_rides_out_postgresql_restarts(cluster, tmp_path, keypair):
 
 def test_daemon_exits_nonzero_after_the_outage_deadline(cluster, tmp_path, keypair):
     pem, jwks = keypair
-    url = fresh_database(cluster)
+    url = cluster.migrated_database()
     engine = make_engine(url, pool_pre_ping=True)
     log = tmp_path / "daemon.log"
     deadline = 3
@@ -267,7 +109,7 @@ def test_daemon_exits_nonzero_after_the_outage_deadline(cluster, tmp_path, keypa
                                retry_max_seconds=0.5, breaker_failure_threshold=10_000)
         daemon = procs.start_daemon(env, log)
         try:
-            assert procs.wait_until(lambda: state_counts(engine)["delivered"] >= 20, 60)
+            assert procs.wait_until(lambda: states(engine)["delivered"] >= 20, 60)
             engine.dispose()
             cluster.stop("fast")
             stopped = time.monotonic()
@@ -283,17 +125,17 @@ def test_daemon_exits_nonzero_after_the_outage_deadline(cluster, tmp_path, keypa
                 cluster.start()
         assert rc != 0, "the daemon must exit non-zero when the database stays away"
         assert deadline - 1 <= took <= deadline + 15, f"exited {took:.1f} s after the database went away"
-        line = _exit_line(log)
+        line = exit_line(log)
         assert "database unreachable for" in line, f"no one-line reason on stderr: {line!r}"
         critical = [e for e in daemon_events(log) if e.get("event") == "database.unreachable"]
         assert critical and critical[0]["level"] == "critical" and critical[0]["outage_seconds"] >= deadline  # logged rounded to 0.1 s
         assert "Traceback" not in log.read_text(errors="replace")
         # Nothing was lost: a new daemon, with the database back, finishes every message.
-        assert state_counts(engine)["delivered"] < total, "the outage came too late to prove anything"
+        assert states(engine)["delivered"] < total, "the outage came too late to prove anything"
         daemon = procs.start_daemon(procs.daemon_env(url, pem, retry_base_seconds=0.2, retry_max_seconds=0.5,
                                                      breaker_failure_threshold=10_000), tmp_path / "daemon2.log")
         try:
-            assert procs.wait_until(lambda: all_finished(engine, total), 90), state_counts(engine)
+            assert procs.wait_until(lambda: finished(engine, total, final=("delivered",)), 90), states(engine)
         finally:
             assert procs.stop(daemon) == 0
         summary = check_ledger(engine, [arrivals_log])
@@ -317,7 +159,7 @@ CREATE TRIGGER outbox_test_refuse BEFORE INSERT ON outbox_attempts
 
 def test_recording_error_leaves_message_leased_then_retried_once_recorded(cluster, tmp_path, keypair):
     pem, jwks = keypair
-    url = fresh_database(cluster)
+    url = cluster.migrated_database()
     engine = make_engine(url)
     log = tmp_path / "daemon.log"
     lease = 5
@@ -354,8 +196,8 @@ def test_recording_error_leaves_message_leased_then_retried_once_recorded(cluste
                 "other tenants' outcomes must be recorded while one tenant's cannot"
             with psycopg.connect(url, autocommit=True) as conn:
                 conn.execute("DROP TRIGGER outbox_test_refuse ON outbox_attempts")
-            assert procs.wait_until(lambda: all_finished(engine, len(items)), 60), state_counts(engine)
-            assert daemon.poll() is None, f"a recording error is not a database outage: {_exit_line(log)}"
+            assert procs.wait_until(lambda: finished(engine, len(items), final=("delivered",)), 60), states(engine)
+            assert daemon.poll() is None, f"a recording error is not a database outage: {exit_line(log)}"
         finally:
             rc = procs.stop(daemon)
         assert rc == 0
@@ -379,17 +221,6 @@ CREATE TRIGGER outbox_test_refuse BEFORE INSERT ON outbox_attempts
 WHEN NEW.tenant_id = 'poison' AND NEW.outcome = 'success'
 BEGIN SELECT RAISE(ABORT, 'test: refusing to record a success'); END;
 """
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def any_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'outbox.db'}"
-        engine = make_engine(url)
-        upgrade(engine)
-        engine.dispose()
-        return url
-    return fresh_database(request.getfixturevalue("cluster"))
 
 
 async def test_completer_isolates_an_outcome_the_database_refuses(any_url):
@@ -504,6 +335,6 @@ async def test_drain_at_shutdown_records_the_batch_being_flushed(any_url):
         runner.cancel()  # ...before it cancels the completer
         await asyncio.gather(runner, return_exceptions=True)
         await engine.dispose()
-    counts = state_counts(sync)
+    counts = states(sync)
     sync.dispose()
     assert counts == {"delivered": 10}, counts

@@ -18,23 +18,10 @@ import outbox
 from outbox.config import Settings
 from outbox.schema import attempts, breaker_transitions, breakers, messages
 from tests import procs
+from tests.ledger import enqueue_many, finished, leased_by, states
 
 pytestmark = pytest.mark.e2e
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
-
-
-def enqueue_many(engine, base: str, paths: list[str], *, tenants: int = 1, per_txn: int = 200) -> list[str]:
-    """Enqueue one terminal task webhook per path, ``per_txn`` per seller transaction."""
-    keys = []
-    for start in range(0, len(paths), per_txn):
-        with engine.begin() as conn:
-            for i, path in enumerate(paths[start:start + per_txn], start):
-                keys.append(outbox.enqueue_task_webhook(
-                    conn, tenant_id=f"tenant-{i % tenants}", task_id=f"task_{i}", task_type="create_media_buy",
-                    status="completed", result={"media_buy_id": f"mb_{i}"}, settings=SETTINGS,
-                    push_notification_config={"url": f"{base}{path}", "operation_id": f"op_{i}",
-                                              "token": "e2e-token-0123456789"}).idempotency_key)
-    return keys
+PRODUCER = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 
 
 def test_json_lines_leave_a_half_written_line_for_the_next_read(tmp_path):
@@ -47,26 +34,9 @@ def test_json_lines_leave_a_half_written_line_for_the_next_read(tmp_path):
     assert [a["key"] for a in procs.json_lines(log)] == ["a", "b"]
 
 
-def states(engine) -> collections.Counter:
-    with engine.connect() as conn:
-        return collections.Counter(dict(conn.execute(select(messages.c.state, func.count())
-                                                     .group_by(messages.c.state)).all()))
-
-
 def breaker_state(engine, tenant: str) -> str | None:
     with engine.connect() as conn:
         return conn.execute(select(breakers.c.state).where(breakers.c.tenant_id == tenant)).scalar()
-
-
-def leased_by(engine, pid: int) -> int:
-    """Rows leased by the daemon process ``pid`` (daemon ids are ``host:pid:random``)."""
-    with engine.connect() as conn:
-        return conn.execute(select(func.count()).where(messages.c.leased_by.like(f"%:{pid}:%"))).scalar_one()
-
-
-def finished(engine, total: int) -> bool:
-    counts = states(engine)
-    return counts["delivered"] + counts["dead"] == total
 
 
 def check_exact_bytes_and_log(engine, log) -> dict[str, list[dict]]:
@@ -85,11 +55,6 @@ def check_exact_bytes_and_log(engine, log) -> dict[str, list[dict]]:
         for row in conn.execute(select(messages.c.id, messages.c.attempts)):
             assert logged[row.id] >= set(range(1, row.attempts + 1)), f"message {row.id} has unlogged attempts"
     return by_key
-
-
-@pytest.fixture
-def keypair(tmp_path):
-    return procs.make_key(tmp_path)
 
 
 def test_status_classes_and_adcp_conformance_retry(pg_engine, pg_url, tmp_path, keypair):
@@ -228,14 +193,14 @@ def test_breaker_isolates_a_failing_tenant_at_constant_cost(pg_engine, pg_url, t
                     outbox.enqueue_task_webhook(
                         conn, tenant_id="sick", task_id=f"s{i}", task_type="create_media_buy", status="completed",
                         push_notification_config={"url": f"{base}/status/500?i={i}", "operation_id": "op"},
-                        settings=SETTINGS)
+                        settings=PRODUCER)
             committed = {}  # enqueued after the sick backlog: must not wait behind it
             for i in range(20):
                 with pg_engine.begin() as conn:
                     rec = outbox.enqueue_task_webhook(
                         conn, tenant_id="well", task_id=f"w{i}", task_type="create_media_buy", status="completed",
                         push_notification_config={"url": f"{base}/ok?i={i}", "operation_id": "op"},
-                        settings=SETTINGS)
+                        settings=PRODUCER)
                 committed[rec.idempotency_key] = time.time()
                 time.sleep(0.05)
             assert procs.wait_until(lambda: all(

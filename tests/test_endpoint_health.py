@@ -110,11 +110,6 @@ async def test_the_prometheus_series_are_off_by_default_and_at_most_the_top_n(pg
         await async_engine.dispose()
 
 
-@pytest.fixture
-def keypair(tmp_path):
-    return procs.make_key(tmp_path)
-
-
 def _outboxd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
                           timeout=60)

@@ -26,7 +26,7 @@ from outbox.keyset import stop_reporting
 from outbox.sealing import key_id
 from supervisor.cli import main as cli
 from tests import procs
-from tests.test_e2e import states
+from tests.ledger import states
 
 pytestmark = pytest.mark.e2e
 ACCOUNT = "acct_rotation"

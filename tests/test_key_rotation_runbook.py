@@ -22,8 +22,8 @@ import pytest
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from tests import procs
+from tests.ledger import enqueue_many
 from tests.procs import free_port
-from tests.test_e2e import enqueue_many
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent

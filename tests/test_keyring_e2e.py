@@ -25,8 +25,8 @@ from outbox.schema import attempts, messages
 from supervisor.keys import keyring
 from supervisor.keys.keyring import KeyringError
 from tests import procs
+from tests.ledger import PRODUCER
 from tests.procs import free_port
-from tests.test_e2e import SETTINGS
 
 pytestmark = pytest.mark.e2e
 ISSUER = "https://seller.example.com"
@@ -51,7 +51,7 @@ def enqueue(engine, base: str, path: str, n: int, tenant: str = "acme") -> str:
     with engine.begin() as conn:
         return outbox.enqueue_task_webhook(
             conn, tenant_id=tenant, task_id=f"task_{n}", task_type="create_media_buy", status="completed",
-            result={"n": n}, settings=SETTINGS,
+            result={"n": n}, settings=PRODUCER,
             push_notification_config={"url": f"{base}{path}", "operation_id": f"op_{n}",
                                       "token": "e2e-token-0123456789"}).idempotency_key
 

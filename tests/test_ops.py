@@ -17,7 +17,7 @@ from outbox.schema import attempts, breakers, messages
 from supervisor.cli import main
 from supervisor.wire.signing import load_signing_key
 from tests import procs
-from tests.test_e2e import SETTINGS, enqueue_many, finished
+from tests.ledger import enqueue_many, finished, PRODUCER
 
 pytestmark = pytest.mark.e2e
 HMAC_SECRET = "hmac-secret-SENTINEL-0123456789abcdef"
@@ -170,7 +170,7 @@ async def test_adcp_sdk_send_mcp_through_the_seam(pg_engine, pg_url, tmp_path):
 
     key, jwks = procs.make_key(tmp_path)
     engine = make_async_engine(pg_url)
-    seam = OutboxWebhookSupervisor(engine, tenant_id="sdk-seller", settings=SETTINGS)
+    seam = OutboxWebhookSupervisor(engine, tenant_id="sdk-seller", settings=PRODUCER)
     assert isinstance(seam, WebhookDeliverySupervisor) and seam.delivery_state_is_durable
     with procs.receiver(tmp_path, jwks, verifier="adcp") as (port, log):
         assert await seam.send_mcp(url=f"http://127.0.0.1:{port}/ok", task_id="task_sdk", status="completed",

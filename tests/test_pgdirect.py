@@ -4,8 +4,6 @@ exactly what they do through SQLAlchemy, and the connection comes back after it 
 from __future__ import annotations
 
 import dataclasses
-import socket
-import threading
 
 import pytest
 from sqlalchemy import select, text
@@ -16,8 +14,8 @@ from outbox.db import make_async_engine
 from outbox.schema import attempts, messages
 from outbox.store import Completion
 from supervisor.cycle.pgdirect import DirectConnection
-from tests.test_db_blackhole import StallingProxy, stalling_proxy
-from tests.test_db_faults import enqueue_batch, message_key
+from tests.db_proxies import TurnCountingProxy, stalling_proxy
+from tests.ledger import enqueue_batch, message_key
 
 CLAIM = dict(limit=50, lease_seconds=30.0, horizon_seconds=86_400, endpoint_concurrency=16)
 
@@ -115,30 +113,6 @@ async def test_a_pipelined_pair_is_one_transaction_and_a_failed_first_statement_
         await engine.dispose()
         with pg_engine.begin() as conn:
             conn.execute(text("DROP TABLE direct_pair"))
-
-
-class TurnCountingProxy(StallingProxy):
-    """Forwards as :class:`StallingProxy` does and counts the client's turns: each time it
-    sends after the server last did, it has waited for an answer (a round trip)."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.turns = 0
-        self._last = ""
-        self._lock = threading.Lock()
-        super().__init__(target)
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        src.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        upstream = src.getpeername()[1] != self._target[1]
-        try:
-            while data := src.recv(65536):
-                with self._lock:
-                    if upstream and self._last != "up":
-                        self.turns += 1
-                    self._last = "up" if upstream else "down"
-                dst.sendall(data)
-        except OSError:
-            pass
 
 
 async def test_a_transaction_waits_only_for_the_rows_it_reads(pg_engine, pg_url) -> None:

@@ -33,11 +33,10 @@ from sqlalchemy.engine import make_url
 import outbox
 from outbox.schema import messages
 from tests import procs
+from tests.ledger import (check_ledger, daemon_events, exit_line, finished, leased_by, load_messages,
+                          message_key, PRODUCER)
 from tests.pgbouncer import pgbouncer
 from tests.procs import free_port
-from tests.test_db_faults import (PRODUCER, _exit_line, all_finished, check_ledger, daemon_events, load_messages,
-                                  message_key)
-from tests.test_e2e import leased_by
 from tests.test_rolling_upgrade import readyz
 
 THREADS, TRANSACTIONS, REPORTS = 4, 40, 50
@@ -156,7 +155,7 @@ def test_two_daemons_behind_pgbouncer_deliver_every_commit_once(pg_server_url, f
                     t.join(60)
                 assert not producers.errors, producers.errors[:3]
                 total = len(producers.committed)
-                assert procs.wait_until(lambda: all_finished(engine, total), 40), \
+                assert procs.wait_until(lambda: finished(engine, total, final=("delivered",)), 40), \
                     (total, len(load_messages(engine)))
                 assert daemons[1].poll() is None, daemon_events(logs[1])[-3:]
             finally:
@@ -238,7 +237,7 @@ def test_prepared_statements_through_pgbouncer_fail_readiness_not_silently(pg_se
                 misconfigured = [e for e in events if e.get("event") == "database.misconfigured"]
                 assert len(misconfigured) == 1 and misconfigured[0]["cause"] == "prepared_statements"
                 assert "prepared statements through a transaction pooler; set OUTBOX_DATABASE_POOLER=transaction" \
-                    in _exit_line(logs[index])
+                    in exit_line(logs[index])
                 for t in threads:
                     t.join(60)
             finally:
@@ -266,4 +265,4 @@ def test_a_daemon_started_without_the_setting_says_which_one(pg_server_url, fres
             assert daemon.wait(outage + 30) != 0
         finally:
             procs.stop(daemon, signal.SIGKILL)
-        assert "refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction" in _exit_line(log)
+        assert "refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction" in exit_line(log)

@@ -16,7 +16,8 @@ from outbox.schema import messages
 from supervisor.cycle.maintenance import Maintenance
 from supervisor.observe.metrics import Metrics
 from supervisor.cycle.outage import OutageGuard
-from tests.test_e2e import enqueue_many
+
+from tests.ledger import enqueue_many
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float:

@@ -21,7 +21,7 @@ from sqlalchemy import text
 from outbox.db import make_engine
 from outbox.migrate import head_revision, upgrade
 from tests import procs
-from tests.test_e2e import enqueue_many, finished
+from tests.ledger import enqueue_many, finished
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e

@@ -20,7 +20,8 @@ from outbox import breaker_rows, store
 from outbox.db import make_async_engine, make_engine
 from outbox.schema import breakers, messages
 from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
-from tests.test_db_faults import enqueue_batch, message_key
+
+from tests.ledger import enqueue_batch, message_key
 
 HORIZON = 86_400
 

@@ -17,7 +17,7 @@ from outbox.config import load_settings
 from outbox.schema import messages
 from supervisor.cli import main as cli
 from tests import procs, stored
-from tests.test_e2e import finished, states
+from tests.ledger import finished, states
 from tests.test_rolling_upgrade import readyz
 from tests.procs import free_port
 

@@ -5,7 +5,6 @@ address or the URL."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import ipaddress
 import socket
@@ -25,7 +24,8 @@ from sqlalchemy import select
 from outbox.config import load_settings
 from outbox.schema import attempts, messages
 from supervisor.wire.transport import HttpSender
-from tests.test_db_faults import enqueue_batch, message_key
+
+from tests.ledger import enqueue_batch, message_key
 
 NOW = datetime.datetime.now(datetime.timezone.utc)
 DAY = datetime.timedelta(days=1)

@@ -77,11 +77,6 @@ def collector() -> Iterator[Collector]:
     c.close()
 
 
-@pytest.fixture
-def keypair(tmp_path):
-    return procs.make_key(tmp_path)
-
-
 @pytest.mark.e2e
 def test_attempt_spans_are_children_of_the_sellers_span(pg_engine, pg_url, tmp_path, keypair, collector):
     key, jwks = keypair

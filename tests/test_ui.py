@@ -24,7 +24,7 @@ from sqlalchemy import func, select
 import outbox
 from outbox.schema import LATENCY_BOUNDS_MS, attempts, jobs, messages
 from tests import procs
-from tests.test_e2e import enqueue_many, finished
+from tests.ledger import enqueue_many, finished
 
 pytestmark = pytest.mark.e2e
 TOKEN = "console-token-for-the-test-0123456789"

@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from outbox.schema import attempts, breakers, messages
 from tests import procs
-from tests.test_db_faults import enqueue_batch, message_key
+from tests.ledger import enqueue_batch, message_key
 
 pytestmark = pytest.mark.e2e
 

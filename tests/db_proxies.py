@@ -1,0 +1,107 @@
+"""Loopback TCP proxies in front of PostgreSQL, for tests that need to see or break the wire.
+
+:class:`StallingProxy` forwards until told to stall, then accepts and reads everything and
+forwards nothing (a network black hole, a stuck pooler): neither TCP keepalives nor the TCP
+user timeout notice it, only a client's own deadline does. :class:`TurnCountingProxy` counts
+how many times a client waited for an answer (its round trips).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy.engine import make_url
+
+
+class StallingProxy:
+    """Forwards 127.0.0.1:<port> to ``target`` until :meth:`stall`, then swallows everything."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.stalled = threading.Event()
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall(self) -> None:
+        self.stalled.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        for s in self._sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self._sockets.append(client)
+            if self.stalled.is_set():  # accepted, never answered
+                threading.Thread(target=self._swallow, args=(client,), daemon=True).start()
+                continue
+            server = socket.create_connection(self._target)
+            self._sockets.append(server)
+            for src, dst in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _swallow(self, src: socket.socket) -> None:
+        try:
+            while src.recv(65536):
+                pass
+        except OSError:
+            pass
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if self.stalled.is_set():
+                    self._swallow(src)
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
+
+
+@contextmanager
+def stalling_proxy(url: str, kind: type[StallingProxy] = StallingProxy) -> Iterator[tuple[StallingProxy, str]]:
+    """A ``kind`` of proxy to ``url``'s server, and ``url`` through it."""
+    parsed = make_url(url)
+    proxy = kind((parsed.host or "127.0.0.1", parsed.port or 5432))
+    try:
+        yield proxy, parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    finally:
+        proxy.close()
+
+
+class TurnCountingProxy(StallingProxy):
+    """Forwards as :class:`StallingProxy` does and counts the client's turns: each time it
+    sends after the server last did, it has waited for an answer (a round trip)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.turns = 0
+        self._last = ""
+        self._lock = threading.Lock()
+        super().__init__(target)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        src.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        upstream = src.getpeername()[1] != self._target[1]
+        try:
+            while data := src.recv(65536):
+                with self._lock:
+                    if upstream and self._last != "up":
+                        self.turns += 1
+                    self._last = "up" if upstream else "down"
+                dst.sendall(data)
+        except OSError:
+            pass
