@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 from supervisor.wire.http1 import ERROR_BODY_KEPT, Http1Connection, Response, TransportFailure, encode_request
 from supervisor.wire.transport import HttpSender
-from tests.test_transport import BODY, HEADERS, Request, ok, response  # noqa: F401 - fixtures below
-from tests.test_transport import event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
-from tests.test_transport import settings as transport_settings
+from tests.wire_peers import BODY, HEADERS, loopback_settings, ok, response
+from tests.wire_peers import event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
 
 CAP = 1024
 KINDS = {"timeout", "connection_error", "protocol_error"}
@@ -317,7 +316,7 @@ async def test_connection_close_answer_is_not_reused(peers, senders) -> None:  #
         return True  # the server would keep it; the client must not
 
     peer = await peers(closing)
-    sender: HttpSender = senders(transport_settings())
+    sender: HttpSender = senders(loopback_settings())
     for _ in range(2):
         assert (await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)).status == 200
     assert peer.connections == 2

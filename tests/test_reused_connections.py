@@ -13,8 +13,10 @@ import asyncio
 
 import pytest
 
-from tests.test_transport import BODY, HEADERS, Request, _garbage, _half_body, _hang_up, _never, _reset, ok
-from tests.test_transport import connects, event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
+from tests.wire_peers import (BODY, HEADERS, Request, answers_garbage, hangs_up, never_answers, ok, resets,
+                              sends_half_a_body)
+from tests.wire_peers import connects, event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
+
 
 
 def second_request_on_a_connection(handler):  # type: ignore[no-untyped-def]
@@ -28,7 +30,7 @@ def second_request_on_a_connection(handler):  # type: ignore[no-untyped-def]
     return serve
 
 
-@pytest.mark.parametrize("drop", [_hang_up, _reset], ids=["closed", "reset"])
+@pytest.mark.parametrize("drop", [hangs_up, resets], ids=["closed", "reset"])
 async def test_a_reused_connection_dropped_before_any_answer_byte_is_retried_at_once_on_a_new_one(
         peers, senders, drop) -> None:  # noqa: F811
     peer = await peers(second_request_on_a_connection(drop))
@@ -42,9 +44,9 @@ async def test_a_reused_connection_dropped_before_any_answer_byte_is_retried_at_
 
 
 @pytest.mark.parametrize(("broken", "kind", "error"), [
-    (_half_body, "connection_error", "RemoteProtocolError: connection closed before the response was complete"),
-    (_garbage, "protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1"),
-    (_never, "timeout", "ReadTimeout: no response data within the read timeout"),
+    (sends_half_a_body, "connection_error", "RemoteProtocolError: connection closed before the response was complete"),
+    (answers_garbage, "protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1"),
+    (never_answers, "timeout", "ReadTimeout: no response data within the read timeout"),
 ], ids=["closed-mid-answer", "garbage", "never-answers"])
 async def test_any_other_failure_on_a_reused_connection_is_the_attempts(peers, senders, broken, kind, error) -> None:  # noqa: F811
     peer = await peers(second_request_on_a_connection(broken))
@@ -57,7 +59,7 @@ async def test_any_other_failure_on_a_reused_connection_is_the_attempts(peers, s
 
 
 async def test_a_new_connection_dropped_before_any_answer_is_not_retried(peers, senders) -> None:  # noqa: F811
-    peer = await peers(_hang_up)
+    peer = await peers(hangs_up)
     result = await senders().post(f"http://127.0.0.1:{peer.port}/hook", BODY, HEADERS)
     assert result.error_kind == "connection_error" and len(peer.requests) == 1
 

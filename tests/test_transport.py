@@ -1,9 +1,9 @@
 """supervisor.wire.transport.HttpSender against real sockets on 127.0.0.1.
 
-Every peer is a small asyncio server written here, so each test controls the exact bytes
-(and resets, stalls, garbage) a hostile receiver can produce. Host names such as
+Every peer is a small asyncio server (tests/wire_peers.py), so each test controls the exact
+bytes (and resets, stalls, garbage) a hostile receiver can produce. Host names such as
 ``buyer.test`` are answered by a stub resolver; nothing ever leaves loopback: the
-``_loopback_only`` guard refuses (and records) any TCP connect to another address.
+``connects`` guard refuses (and records) any TCP connect to another address.
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ import datetime
 import ipaddress
 import socket
 import ssl
-import struct
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import pytest
 from cryptography import x509
@@ -25,167 +22,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from outbox.config import Settings
-from supervisor.wire.transport import RESPONSE_BODY_CAP, HttpSender, _default_resolver
+from supervisor.wire.transport import RESPONSE_BODY_CAP, _default_resolver
+from tests.wire_peers import (BODY, HEADERS, answers_garbage, answers_late, hangs_up, loopback_settings, never_answers, ok,
+                              resets, response, sends_half_a_body, trickles)
+from tests.wire_peers import connects, event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
 
-LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 SECRET = "SECRET123456"
-
-
-# --------------------------------------------------------------------------- loops
-
-
-@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    """Every test on asyncio's loop and on uvloop's, which the daemon runs on (their
-    transports differ: uvloop's are not ``asyncio.Transport`` subclasses)."""
-    if request.param == "uvloop":
-        uvloop = pytest.importorskip("uvloop")
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
-
-
-# --------------------------------------------------------------------------- guard
-
-
-@pytest.fixture(autouse=True)
-def connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Every address a socket connected to; a non-loopback one is refused outright.
-
-    The guard sits on ``socket.socket.connect``, below the sender: whatever path a connection
-    takes, a host name or a private address here would be a second, unvetted resolution.
-    """
-    seen: list[str] = []
-    real = socket.socket.connect
-
-    def guarded(sock: socket.socket, address) -> None:  # type: ignore[no-untyped-def]
-        host = str(address[0])
-        seen.append(host)
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            raise OSError("test guard: only loopback IP addresses may be contacted")
-        return real(sock, address)
-
-    monkeypatch.setattr(socket.socket, "connect", guarded)
-    return seen
-
-
-# --------------------------------------------------------------------------- peer
-
-
-@dataclass
-class Request:
-    line: str
-    headers: dict[str, str]
-    body: bytes
-
-
-Handler = Callable[[Request, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
-
-
-@dataclass
-class Peer:
-    """An HTTP/1.1-ish server on 127.0.0.1 whose answers are written by ``handler``.
-
-    The handler returns True to keep the connection open for another request.
-    """
-
-    handler: Handler
-    ssl_context: ssl.SSLContext | None = None
-    connections: int = 0
-    requests: list[Request] = field(default_factory=list)
-    port: int = 0
-    _server: asyncio.Server | None = None
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-    async def start(self) -> Peer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.ssl_context)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        self.connections += 1
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                line, *lines = head.decode("latin-1").split("\r\n")
-                headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in lines if h)}
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                request = Request(line, headers, body)
-                self.requests.append(request)
-                if not await self.handler(request, reader, writer):
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return
-        finally:
-            self._tasks.discard(task)
-            writer.close()
-
-
-def response(status: int, body: bytes = b"ok", extra: str = "", reason: str = "X") -> bytes:
-    return f"HTTP/1.1 {status} {reason}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
-
-
-async def ok(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-    writer.write(response(200, b'{"ok":true}', reason="OK"))
-    await writer.drain()
-    return True
-
-
-@pytest.fixture
-async def peers():  # type: ignore[no-untyped-def]
-    started: list[Peer] = []
-
-    async def start(handler: Handler = ok, ssl_context: ssl.SSLContext | None = None) -> Peer:
-        peer = await Peer(handler, ssl_context).start()
-        started.append(peer)
-        return peer
-
-    yield start
-    for peer in started:
-        await peer.stop()
-
-
-def settings(**kw: object) -> Settings:
-    base: dict[str, object] = dict(
-        allow_http=True, allowed_cidrs=LOOPBACK, connect_timeout_seconds=0.5, read_timeout_seconds=0.5
-    )
-    base.update(kw)
-    return Settings(**base)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-async def senders():  # type: ignore[no-untyped-def]
-    made: list[HttpSender] = []
-
-    def make(s: Settings | None = None, **kw: object) -> HttpSender:
-        sender = HttpSender(s or settings(), **kw)  # type: ignore[arg-type]
-        made.append(sender)
-        return sender
-
-    yield make
-    for sender in made:
-        await sender.aclose()
-
-
-BODY = b'{"idempotency_key":"whk_0123456789abcdef"}'
-HEADERS = {"Content-Type": "application/json"}
 
 
 # --------------------------------------------------------------------------- happy path
@@ -212,7 +54,7 @@ async def test_pool_is_bounded_by_endpoint_concurrency(peers, senders) -> None:
         return await ok(request, reader, writer)
 
     peer = await peers(slow_ok)
-    sender = senders(settings(endpoint_concurrency=2))
+    sender = senders(loopback_settings(endpoint_concurrency=2))
     results = await asyncio.gather(
         *(sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS) for _ in range(8))
     )
@@ -257,7 +99,7 @@ async def test_default_resolver_returns_address_strings() -> None:
 
 async def test_loopback_blocked_without_allowed_cidrs(peers, senders) -> None:
     peer = await peers()
-    result = await senders(settings(allowed_cidrs=())).post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    result = await senders(loopback_settings(allowed_cidrs=())).post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
     assert (result.status, result.error_kind) == (None, "blocked")
     assert result.error == "destination address is not allowed (loopback)"
     assert peer.connections == 0
@@ -290,7 +132,7 @@ async def test_any_blocked_answer_blocks_the_host(peers, senders) -> None:
 
 async def test_http_blocked_unless_allow_http(peers, senders) -> None:
     peer = await peers()
-    result = await senders(settings(allow_http=False)).post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
+    result = await senders(loopback_settings(allow_http=False)).post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
     assert result.error_kind == "blocked" and "https" in (result.error or "")
     assert peer.connections == 0
     for url in ("ftp://127.0.0.1/x", "not a url", "https://exa mple.com/"):
@@ -298,7 +140,7 @@ async def test_http_blocked_unless_allow_http(peers, senders) -> None:
 
 
 async def test_metadata_ip_blocked_even_inside_allowed_cidr(senders, connects) -> None:
-    s = settings(allowed_cidrs=(ipaddress.ip_network("169.254.0.0/16"),))
+    s = loopback_settings(allowed_cidrs=(ipaddress.ip_network("169.254.0.0/16"),))
     for url in ("https://169.254.169.254/latest/meta-data/", "http://169.254.169.254/"):
         result = await senders(s).post(url, BODY, HEADERS)
         assert (result.error_kind, result.error) == ("blocked", "destination address is not allowed (cloud metadata)")
@@ -306,7 +148,7 @@ async def test_metadata_ip_blocked_even_inside_allowed_cidr(senders, connects) -
 
 
 async def test_ipv4_mapped_ipv6_literal_blocked(senders, connects) -> None:
-    result = await senders(settings(allowed_cidrs=())).post("https://[::ffff:10.0.0.1]/hook", BODY, HEADERS)
+    result = await senders(loopback_settings(allowed_cidrs=())).post("https://[::ffff:10.0.0.1]/hook", BODY, HEADERS)
     assert result.error_kind == "blocked" and "IPv4 embedded in IPv6" in (result.error or "")
     assert connects == []
 
@@ -385,7 +227,7 @@ async def test_https_sni_uses_url_host_while_connecting_to_pinned_ip(peers, send
         return {"buyer.test": ["127.0.0.1"]}[host]
 
     client_ctx = ssl.create_default_context(cadata=cert_pem.decode())
-    sender = senders(settings(allow_http=False), resolver=resolver, verify=client_ctx)
+    sender = senders(loopback_settings(allow_http=False), resolver=resolver, verify=client_ctx)
     for _ in range(2):
         result = await sender.post(f"https://buyer.test:{peer.port}/hook", BODY, HEADERS)
         assert result.status == 200, result
@@ -397,70 +239,26 @@ async def test_https_sni_uses_url_host_while_connecting_to_pinned_ip(peers, send
     async def other(host: str, port: int) -> list[str]:
         return ["127.0.0.1"]
 
-    wrong = await senders(settings(allow_http=False), resolver=other, verify=client_ctx).post(
+    wrong = await senders(loopback_settings(allow_http=False), resolver=other, verify=client_ctx).post(
         f"https://other.test:{peer.port}/hook?token={SECRET}", BODY, HEADERS
     )
     assert wrong.error_kind == "connection_error"
     assert wrong.error == "ConnectError: TLS certificate name mismatch (not valid for this host)"
     # A file path works as verify too.
-    by_path = senders(settings(allow_http=False), resolver=resolver, verify=str(tmp_path / "cert.pem"))
+    by_path = senders(loopback_settings(allow_http=False), resolver=resolver, verify=str(tmp_path / "cert.pem"))
     assert (await by_path.post(f"https://buyer.test:{peer.port}/", BODY, HEADERS)).status == 200
-
-
-# --------------------------------------------------------------------------- hostile receivers
-
-
-async def _never(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
-    await asyncio.sleep(3600)
-    return False
-
-
-async def _reset(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
-    sock = writer.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()  # close with linger 0: the kernel sends RST
-    return False
-
-
-async def _slow(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
-    await asyncio.sleep(1.5)
-    return await ok(request, reader, writer)
-
-
-async def _garbage(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
-    writer.write(b"SSH-2.0-OpenSSH_9.6 totally not http\r\n\r\n")
-    await writer.drain()
-    return False
-
-
-async def _half_body(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 100)
-    await writer.drain()
-    return False
-
-
-async def _hang_up(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
-    return False
-
-
-async def _trickle(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
-    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
-    while True:  # one byte per 0.2 s: each read is within the read timeout, forever
-        writer.write(b"x")
-        await writer.drain()
-        await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize(
     ("handler", "kind", "error", "max_seconds"),
     [
-        (_reset, "connection_error", "ReadError: connection reset by peer", 0.5),
-        (_never, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
-        (_slow, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
-        (_garbage, "protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1", 0.5),
-        (_half_body, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
-        (_hang_up, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
-        (_trickle, "timeout", "DeadlineExceeded: attempt exceeded connect + read timeout", 1.5),
+        (resets, "connection_error", "ReadError: connection reset by peer", 0.5),
+        (never_answers, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
+        (answers_late, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
+        (answers_garbage, "protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1", 0.5),
+        (sends_half_a_body, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
+        (hangs_up, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
+        (trickles, "timeout", "DeadlineExceeded: attempt exceeded connect + read timeout", 1.5),
     ],
     ids=["reset", "never-answers", "slower-than-timeout", "garbage", "closed-mid-body", "closed-no-response", "trickle"],
 )
@@ -482,11 +280,11 @@ async def test_deadline_frees_the_pool_slot(peers, senders) -> None:
         nonlocal calls
         calls += 1
         if calls == 1:
-            return await _trickle(request, reader, writer)
+            return await trickles(request, reader, writer)
         return await ok(request, reader, writer)
 
     peer = await peers(trickle_once)
-    sender = senders(settings(endpoint_concurrency=1))
+    sender = senders(loopback_settings(endpoint_concurrency=1))
     first = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
     assert first.error_kind == "timeout"
     second = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
@@ -558,11 +356,11 @@ async def test_errors_never_contain_the_query_string(peers, senders) -> None:
     async def private(host: str, port: int) -> list[str]:
         return ["10.9.8.7"]
 
-    peer = await peers(_garbage)
+    peer = await peers(answers_garbage)
     cases = [
         await senders().post(f"http://127.0.0.1:{peer.port}/p?token={SECRET}", BODY, HEADERS),
         await senders(resolver=private).post(f"https://buyer.test/p?token={SECRET}", BODY, HEADERS),
-        await senders(settings(allow_http=False)).post(f"http://127.0.0.1:1/p?token={SECRET}", BODY, HEADERS),
+        await senders(loopback_settings(allow_http=False)).post(f"http://127.0.0.1:1/p?token={SECRET}", BODY, HEADERS),
         await senders().post(f"http://127.0.0.1:1/p?token={SECRET}", BODY, HEADERS),
         await senders().post(f"http://127.0.0.1:99999/p?token={SECRET}", BODY, HEADERS),
     ]
@@ -587,7 +385,7 @@ async def test_a_connection_handed_to_a_waiter_that_gave_up_goes_back_to_the_poo
     from supervisor.wire.http1 import Http1Connection
     from supervisor.wire.transport import _Origin, _target
 
-    sender = senders(settings(endpoint_concurrency=1))
+    sender = senders(loopback_settings(endpoint_concurrency=1))
     entry = _Origin(_target("http://127.0.0.1:1/"), opened=1)  # its one connection is in use
     waiting = asyncio.ensure_future(sender._checkout(entry))
     await asyncio.sleep(0)
