@@ -146,6 +146,16 @@ def enqueue_many(engine, base: str, paths: list[str], *, tenants: int = 1, per_t
     return keys
 
 
+def enqueue_tasks(engine: Any, tenant: str, url: str, n: int, start: int = 0) -> list[int]:
+    """Enqueue ``n`` terminal task webhooks for ``tenant`` to ``url`` in one seller transaction
+    (task ids ``<tenant><start>`` on); their message ids."""
+    with engine.begin() as conn:
+        return [outbox.enqueue_task_webhook(
+            conn, tenant_id=tenant, task_id=f"{tenant}{i}", task_type="create_media_buy", status="completed",
+            settings=PRODUCER, push_notification_config={"url": url, "operation_id": "op"}).id
+            for i in range(start, start + n)]
+
+
 def states(engine: Any) -> collections.Counter[str]:
     """Messages per state."""
     with engine.connect() as conn:

@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -139,6 +141,26 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.2) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def outboxd(env: dict[str, str], *args: str, exit_code: int | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one ``outboxd`` command to its end (text output captured); with ``exit_code``,
+    assert that it exited so (its stderr in the failure)."""
+    done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert exit_code is None or done.returncode == exit_code, (args, done.returncode, done.stderr)
+    return done
+
+
+def readyz(port: int) -> tuple[int, str]:
+    """The daemon's ``/readyz`` on its metrics ``port``: (status, body); (0, why) when nothing answers."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:  # not listening (yet, or any more)
+        return 0, str(exc)
 
 
 def start_ui(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:

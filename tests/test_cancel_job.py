@@ -18,16 +18,16 @@ from outbox.db import make_async_engine
 from outbox.schema import job_items, jobs, messages
 from supervisor.operator import jobs as recovery
 from tests import procs
-from tests.test_recovery_job import _enqueue, _outboxd
+from tests.ledger import enqueue_tasks
 
 HELD = 2_000
 
 
 async def test_a_cancel_job_takes_pending_messages_of_its_range_and_leaves_in_flight_ones(engine):
-    early = _enqueue(engine, "acme", "http://127.0.0.1:9/a", 3)
-    late = _enqueue(engine, "acme", "http://127.0.0.1:9/a", 4, start=10)
-    elsewhere = _enqueue(engine, "acme", "http://127.0.0.1:8/b", 2, start=20)
-    other_tenant = _enqueue(engine, "zeta", "http://127.0.0.1:9/a", 2)
+    early = enqueue_tasks(engine, "acme", "http://127.0.0.1:9/a", 3)
+    late = enqueue_tasks(engine, "acme", "http://127.0.0.1:9/a", 4, start=10)
+    elsewhere = enqueue_tasks(engine, "acme", "http://127.0.0.1:8/b", 2, start=20)
+    other_tenant = enqueue_tasks(engine, "zeta", "http://127.0.0.1:9/a", 2)
     with engine.begin() as conn:  # enqueued an hour ago; one of the late ones leased by a daemon now
         conn.execute(update(messages).where(messages.c.id.in_(early)).values(created_at=time.time() - 3600))
         conn.execute(update(messages).where(messages.c.id == late[0]).values(
@@ -66,9 +66,9 @@ def test_a_cancel_job_of_2000_survives_sigkill_and_cancels_each_message_once(eng
     with procs.receiver(tmp_path, None, name="held") as (held_port, _), \
             procs.receiver(tmp_path, None, name="ok") as (ok_port, ok_log):
         held, ok = f"http://127.0.0.1:{held_port}", f"http://127.0.0.1:{ok_port}"
-        matching = _enqueue(engine, "acme", f"{held}/hang", HELD)
-        other_origin = _enqueue(engine, "acme", f"{ok}/ok", 20, start=HELD)
-        other_tenant = _enqueue(engine, "zeta", f"{held}/hang", 20)
+        matching = enqueue_tasks(engine, "acme", f"{held}/hang", HELD)
+        other_origin = enqueue_tasks(engine, "acme", f"{ok}/ok", 20, start=HELD)
+        other_tenant = enqueue_tasks(engine, "zeta", f"{held}/hang", 20)
 
         def count(*where) -> int:
             with engine.connect() as conn:
@@ -81,11 +81,11 @@ def test_a_cancel_job_of_2000_survives_sigkill_and_cancels_each_message_once(eng
         daemon = procs.start_daemon(env, tmp_path / "d1.log")
         try:
             assert procs.wait_until(lambda: count(messages.c.id.in_(matching), messages.c.state == "in_flight"), 60)
-            dry = _outboxd(env, "recover", "start", "--cancel-pending", "--tenant", "acme", "--origin", held,
+            dry = procs.outboxd(env, "recover", "start", "--cancel-pending", "--tenant", "acme", "--origin", held,
                            "--dry-run", "--json")
             assert dry.returncode == 0 and json.loads(dry.stdout) == {"would_cancel": HELD}, dry.stderr
             # a rate above the default keeps the test short; the rate is tested with the replay jobs
-            made = _outboxd(env, "recover", "start", "--cancel-pending", "--tenant", "acme", "--origin", held,
+            made = procs.outboxd(env, "recover", "start", "--cancel-pending", "--tenant", "acme", "--origin", held,
                             "--rate", "200", "--json")
             assert made.returncode == 0, made.stderr
             job_id = json.loads(made.stdout)["id"]
@@ -100,9 +100,9 @@ def test_a_cancel_job_of_2000_survives_sigkill_and_cancels_each_message_once(eng
             assert procs.wait_until(lambda: len(procs.arrivals(ok_log)) >= 20, 60)
         finally:
             assert procs.stop(daemon) == 0
-        shown = _outboxd(env, "recover", "show", str(job_id))
+        shown = procs.outboxd(env, "recover", "show", str(job_id))
         cancelled_one = sorted(matching)[-1]
-        refused = _outboxd(env, "replay", str(cancelled_one))
+        refused = procs.outboxd(env, "replay", str(cancelled_one))
     job = progress()
     with engine.connect() as conn:
         items = collections.Counter(conn.execute(select(job_items.c.message_id).where(
@@ -132,9 +132,9 @@ def test_recover_start_refuses_options_that_do_not_fit_a_cancel_job(engine, tmp_
                         (["--cancel-pending", "--since", "1h", "--until", "2h"], "--until is before --since"),
                         (["--since", "1h", "--until", "1m"], "--until bounds --cancel-pending"),
                         (["--since", "1h", "--cancel-pending", "--until", "whenever"], "neither an ISO 8601 time")):
-        answer = _outboxd(env, "recover", "start", "--tenant", "acme", *args)
+        answer = procs.outboxd(env, "recover", "start", "--tenant", "acme", *args)
         assert answer.returncode != 0 and words in answer.stderr, (args, answer.stderr)
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(jobs)).scalar_one() == 0
-    counted = _outboxd(env, "recover", "start", "--cancel-pending", "--tenant", "acme", "--dry-run")
+    counted = procs.outboxd(env, "recover", "start", "--cancel-pending", "--tenant", "acme", "--dry-run")
     assert counted.returncode == 0 and counted.stdout.strip() == "would cancel 0 pending or in-flight message(s)"

@@ -15,42 +15,13 @@ import pytest
 from sqlalchemy import text
 
 from outbox.config import Settings, effective
-from outbox.schema import DEAD_REASONS, attempts, breakers, messages
+from outbox.schema import DEAD_REASONS, breakers
 from supervisor.cli import build_parser, main
 from tests import procs
-from tests.ledger import enqueue_many
+from tests.cli_calls import cli, dead_with_an_attempt, one_line, url_of
 
 ROOT = Path(__file__).resolve().parent.parent
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
-
-
-def url_of(engine) -> str:
-    return engine.url.render_as_string(hide_password=False)
-
-
-def cli(capsys, monkeypatch, url: str | None, *args: str) -> tuple[int, str, str]:
-    if url is not None:
-        monkeypatch.setenv("OUTBOX_DATABASE_URL", url)
-    try:
-        code = main(list(args))
-    except SystemExit as exc:  # argparse refusals
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def one_line(err: str) -> bool:
-    return err.count("\n") == 1 and "Traceback" not in err
-
-
-def dead_with_an_attempt(engine, n: int = 1, horizon: float = 9e9) -> None:
-    enqueue_many(engine, "http://127.0.0.1:9/hook?secret=q", [""] * n)
-    with engine.begin() as conn:
-        conn.execute(messages.update().values(state="dead", dead_reason="gone", attempts=1, finished_at=1.0,
-                                              retry_until=horizon, first_attempt_at=1.0))
-        conn.execute(attempts.insert().values(message_id=1, tenant_id="tenant-0", url="http://127.0.0.1:9/hook",
-                                              attempt_number=1, outcome="gone", http_status=410, will_retry=False,
-                                              idempotency_key="k", trigger="scheduled", occurred_at=2.0))
 
 
 def test_attempts_is_a_number_and_the_trail_a_list_times_are_rfc3339(engine, capsys, monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 from outbox.config import load_settings
 from outbox.schema import breakers, messages
 from tests.ledger import enqueue_many
-from tests.test_cli import cli, dead_with_an_attempt, one_line, url_of
+from tests.cli_calls import cli, dead_with_an_attempt, one_line, url_of
 
 ROOT = Path(__file__).resolve().parent.parent
 READ_COMMANDS = [["status"], ["list"], ["show", "1"], ["breakers", "list"], ["keys", "list"], ["keys", "jwks"],

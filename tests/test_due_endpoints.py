@@ -24,7 +24,6 @@ from outbox import breaker_rows, store
 from outbox.db import make_async_engine
 from outbox.store import _STATEMENTS
 from supervisor.cycle.breaker import closed_row
-from tests.test_scheduling import _url
 
 ORIGIN = "https://buyer-0.example.com"  # what _insert gives every message with one origin
 BUDGET = 16  # the claimer's per-origin lease budget with the default endpoint concurrency
@@ -105,7 +104,7 @@ async def _breaker(engine: Any, tenant: str, open_for: float | None) -> None:
 
 
 async def test_new_work_behind_a_backoff_or_a_closed_breaker_goes_at_once(pg_engine):
-    engine = make_async_engine(_url(pg_engine))
+    engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
     try:
         with pg_engine.begin() as conn:
             _insert(conn, endpoints=3)  # t0, t1, t2: one due message each
@@ -132,7 +131,7 @@ async def test_new_work_behind_a_backoff_or_a_closed_breaker_goes_at_once(pg_eng
 async def test_a_claim_that_another_holds_rows_of_comes_back_contended(pg_engine):
     """Two daemons' claims read the same heads: the one that finds them locked leases nothing
     and says so, and its next claim takes what is left once the other has committed."""
-    engine = make_async_engine(_url(pg_engine))
+    engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
     try:
         with pg_engine.begin() as conn:
             _insert(conn, endpoints=1, per=20)
@@ -152,7 +151,7 @@ async def test_a_claim_that_another_holds_rows_of_comes_back_contended(pg_engine
 
 
 async def test_the_tables_empty_once_nothing_is_pending(pg_engine):
-    engine = make_async_engine(_url(pg_engine))
+    engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
     try:
         with pg_engine.begin() as conn:
             _insert(conn, endpoints=40, per=3, origins=4)
@@ -193,7 +192,7 @@ def test_no_due_message_is_ever_hidden_from_the_claim(pg_engine, ops):
 
 
 async def _replay_history(pg_engine: Any, ops: Sequence[tuple[str, int, Any]]) -> None:
-    engine = make_async_engine(_url(pg_engine))
+    engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
     held: list[store.Claimed] = []
     try:
         for op, n, arg in ops:
@@ -250,7 +249,7 @@ async def test_concurrent_claimers_and_producers_take_everything_once(pg_engine)
     endpoints of four origins: every message is claimed exactly once, none is left behind,
     and the tables empty at the end (no claim hid work from another, none deadlocked)."""
     total = 600
-    engines = [make_async_engine(_url(pg_engine)) for _ in range(3)]
+    engines = [make_async_engine(pg_engine.url.render_as_string(hide_password=False)) for _ in range(3)]
     taken: list[int] = []
     produced = asyncio.Event()
 

@@ -4,8 +4,6 @@ through the real daemon, and its quantiles and Prometheus series stay within the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
@@ -110,11 +108,6 @@ async def test_the_prometheus_series_are_off_by_default_and_at_most_the_top_n(pg
         await async_engine.dispose()
 
 
-def _outboxd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=60)
-
-
 @pytest.mark.e2e
 def test_endpoints_shows_what_the_attempt_log_holds(pg_engine, pg_url, tmp_path, keypair):
     """Three tenants' endpoints through the real daemon: one healthy, one whose messages die
@@ -144,7 +137,7 @@ def test_endpoints_shows_what_the_attempt_log_holds(pg_engine, pg_url, tmp_path,
             assert procs.wait_until(settled, 60)
         finally:
             assert procs.stop(daemon) == 0
-    result = _outboxd(env, "endpoints", "--json", "--window", "15m")
+    result = procs.outboxd(env, "endpoints", "--json", "--window", "15m")
     assert result.returncode == 0, result.stderr
     shown = {h["tenant_id"]: h for h in json.loads(result.stdout)}
     with pg_engine.connect() as conn:
@@ -160,12 +153,12 @@ def test_endpoints_shows_what_the_attempt_log_holds(pg_engine, pg_url, tmp_path,
     assert shown["well"]["success_rate"] == 1.0 and shown["well"]["deaths"] == 0
     assert shown["gone"]["deaths"] == 5 and shown["gone"]["success_rate"] == 0.0
     assert shown["sick"]["breaker_state"] == "open" and shown["sick"]["breaker_open_until"].endswith("Z")
-    text = _outboxd(env, "endpoints", "--tenant", "sick")
+    text = procs.outboxd(env, "endpoints", "--tenant", "sick")
     assert text.returncode == 0 and f"sick@{origin}" in text.stdout and "open" in text.stdout
     assert "well@" not in text.stdout
     with pg_engine.connect() as conn:  # the deaths also raised one operator event (recorded in the same flushes)
         dead_events = conn.execute(select(operator_events.c.count).where(
             operator_events.c.kind == "messages.dead", operator_events.c.tenant_id == "gone")).scalars().all()
     assert sum(dead_events) == 5  # one event per window (two if the deaths straddle a window edge)
-    bad = _outboxd(env, "endpoints", "--window", "3d")
+    bad = procs.outboxd(env, "endpoints", "--window", "3d")
     assert bad.returncode == 1 and "--window" in bad.stderr

@@ -8,8 +8,6 @@ promoting a new key delivers each message on its first attempt.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -23,18 +21,6 @@ from tests import procs
 pytestmark = pytest.mark.e2e
 SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 PAUSED = "the default scope has no active signing key: its deliveries are paused"
-
-
-def _cli(env: dict[str, str], *args: str, exit_code: int = 0) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == exit_code, done.stderr
-    return done
-
-
-def _readyz(port: int) -> tuple[int, str]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
-        return response.status, response.read().decode()
 
 
 def _enqueue(engine, url: str, count: int) -> None:
@@ -74,7 +60,7 @@ def test_revoking_the_active_key_pauses_its_scope_until_a_key_is_promoted(pg_eng
         daemon = procs.start_daemon(env, log)
         try:
             assert procs.wait_until(lambda: b"daemon.started" in log.read_bytes(), 60), log.read_text()[-2000:]
-            _cli(env, "keys", "revoke", procs.KEY_ID)
+            procs.outboxd(env, "keys", "revoke", procs.KEY_ID, exit_code=0)
             assert procs.wait_until(lambda: b"keyring.scope_paused" in log.read_bytes(), 30)
             _enqueue(pg_engine, f"http://127.0.0.1:{port}/ok", 3)
             # Claimed, found unsignable and handed back (no attempt), more than once.
@@ -82,10 +68,10 @@ def test_revoking_the_active_key_pauses_its_scope_until_a_key_is_promoted(pg_eng
             time.sleep(6)  # past one recheck: still nothing burned
             assert [(r.state, r.attempts) for r in _rows(pg_engine)] == [("pending", 0)] * 3
             assert _attempt_rows(pg_engine) == 0 and procs.arrivals(arrivals_log) == []
-            status, body = _readyz(metrics_port)
+            status, body = procs.readyz(metrics_port)
             assert status == 200 and PAUSED in body and body.count("\n") == 1, body
             assert _active_keys_gauge(metrics_port) == {"0"}, "the alert's gauge says the scope has no key"
-            shown = _cli(env, "status", exit_code=1).stdout  # held messages fail the command
+            shown = procs.outboxd(env, "status", exit_code=1).stdout  # held messages fail the command
             assert any(line.startswith("signing") and PAUSED in line and "`outboxd keys rotate --generate FILE`"
                        in line for line in shown.splitlines()), shown
         finally:
@@ -100,12 +86,12 @@ def test_revoking_the_active_key_pauses_its_scope_until_a_key_is_promoted(pg_eng
                 lambda: b"daemon.started" in restarted_log.read_bytes() or daemon.poll() is not None, 60)
             assert daemon.poll() is None, restarted_log.read_text()[-2000:]
             assert b"keyring.scope_paused" in restarted_log.read_bytes()
-            _cli(env, "keys", "rotate", "--generate", str(tmp_path / "k2.pem"), "--kid", "k2")
-            _cli(env, "keys", "promote", "--force")
+            procs.outboxd(env, "keys", "rotate", "--generate", str(tmp_path / "k2.pem"), "--kid", "k2", exit_code=0)
+            procs.outboxd(env, "keys", "promote", "--force", exit_code=0)
             assert procs.wait_until(lambda: [r.state for r in _rows(pg_engine)] == ["delivered"] * 3, 60)
             assert [r.attempts for r in _rows(pg_engine)] == [1] * 3, "each delivered on its first attempt"
             assert _attempt_rows(pg_engine) == 3
-            assert procs.wait_until(lambda: _readyz(metrics_port)[1] == "ready\n", 10)
+            assert procs.wait_until(lambda: procs.readyz(metrics_port)[1] == "ready\n", 10)
             assert procs.wait_until(lambda: _active_keys_gauge(metrics_port) == {"1"}, 10)
             assert procs.wait_until(lambda: b"keyring.scope_resumed" in restarted_log.read_bytes(), 10)
         finally:

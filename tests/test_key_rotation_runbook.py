@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -42,13 +41,6 @@ def section(heading: str) -> str:
     start = RUNBOOK.index(heading + "\n")
     end = RUNBOOK.find("\n##", start + len(heading))
     return RUNBOOK[start:end if end != -1 else None]
-
-
-def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, (args, done.stderr)
-    return done
 
 
 def start(env: dict[str, str], jwks_url: str, log: Path) -> subprocess.Popen[bytes]:
@@ -91,17 +83,17 @@ def test_the_rotation_runbook_signs_with_the_new_key(platform, tmp_path):
     with procs.receiver(tmp_path, None, extra=["--jwks-url", jwks_url]) as (receiver_port, log):
         daemon = start(env, jwks_url, tmp_path / "daemon.log")
         try:
-            cli(env, "keys", "generate", "--out", str(source / "k2.pem"))
+            procs.outboxd(env, "keys", "generate", "--out", str(source / "k2.pem"), exit_code=0)
             publish("k2.pem")
             if restart:  # systemd loads credentials at start
                 assert procs.stop(daemon) == 0
                 daemon = start(env, jwks_url, tmp_path / "daemon.log")
             here = str(mounted / Path(staged_path).relative_to(mount))
-            cli(env, "keys", "rotate", "--key-file", here, "--kid", kid)
-            cli(env, "keys", "promote")
+            procs.outboxd(env, "keys", "rotate", "--key-file", here, "--kid", kid, exit_code=0)
+            procs.outboxd(env, "keys", "promote", exit_code=0)
             # A promotion takes effect one second after it commits, on every replica at once.
             assert procs.wait_until(lambda: re.search(rf"^{kid}\s+\(default\)\s+active\b",
-                                                      cli(env, "keys", "list").stdout, re.M), 30)
+                                                      procs.outboxd(env, "keys", "list", exit_code=0).stdout, re.M), 30)
             engine = make_engine(url)
             [key] = enqueue_many(engine, f"http://127.0.0.1:{receiver_port}", ["/ok"])
             assert procs.wait_until(lambda: any(a["key"] == key for a in procs.arrivals(log)), 60), \

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import collections
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -40,11 +38,6 @@ def fetch(url: str) -> dict:
 
 def kids(url: str) -> list[str]:
     return [k["kid"] for k in fetch(url)["keys"]]
-
-
-def keys_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", "keys", *args], env=env, capture_output=True,
-                          text=True, timeout=60)
 
 
 def enqueue(engine, base: str, path: str, n: int, tenant: str = "acme") -> str:
@@ -94,7 +87,7 @@ def test_two_daemons_rotate_and_revoke_while_delivering(pg_engine, pg_url, tmp_p
             producer.start()
             time.sleep(1.5)
 
-            staged = keys_cli(envs[0], "rotate", "--generate", str(tmp_path / "k2.pem"), "--kid", "k2")
+            staged = procs.outboxd(envs[0], "keys", "rotate", "--generate", str(tmp_path / "k2.pem"), "--kid", "k2")
             assert staged.returncode == 0, staged.stderr
             # Refused early (in-process: a CLI start on a loaded machine takes seconds; the CLI's
             # refusal is tested in test_keyring.py).
@@ -106,7 +99,7 @@ def test_two_daemons_rotate_and_revoke_while_delivering(pg_engine, pg_url, tmp_p
             time.sleep(max(0.0, staged_at + CACHE_WINDOW + 0.2 - time.time()))
             # Tried first before the switch, then every few seconds until well after it.
             flaky = enqueue(pg_engine, base, "/flaky/6", 10**6, tenant="flaky")
-            promoted = keys_cli(envs[1], "promote", "--json")
+            promoted = procs.outboxd(envs[1], "keys", "promote", "--json")
             assert promoted.returncode == 0, promoted.stderr
             with pg_engine.connect() as conn:
                 switch_at = conn.exec_driver_sql(
@@ -114,12 +107,12 @@ def test_two_daemons_rotate_and_revoke_while_delivering(pg_engine, pg_url, tmp_p
             time.sleep(max(0.0, switch_at + 3 - time.time()))
             assert all(kids(u) == [procs.KEY_ID, "k2"] for u in jwks_urls)  # the old key is retiring
 
-            revoked = keys_cli(envs[0], "revoke", procs.KEY_ID)
+            revoked = procs.outboxd(envs[0], "keys", "revoke", procs.KEY_ID)
             assert revoked.returncode == 0, revoked.stderr
             assert procs.wait_until(lambda: all(kids(u) == ["k2"] for u in jwks_urls), 1.0, 0.05)
             _assert_revocation_list_lists(revocations_url, jwks_urls[0], procs.KEY_ID)
             time.sleep(1.5)
-            jwks_cli = keys_cli(envs[0], "jwks")
+            jwks_cli = procs.outboxd(envs[0], "keys", "jwks")
             assert json.loads(jwks_cli.stdout) == fetch(jwks_urls[1])  # one document, CLI or endpoint
         finally:
             stop.set()

@@ -19,8 +19,6 @@ import json
 import random
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -37,7 +35,6 @@ from tests.ledger import (check_ledger, daemon_events, exit_line, finished, leas
                           message_key, PRODUCER)
 from tests.pgbouncer import pgbouncer
 from tests.procs import free_port
-from tests.test_rolling_upgrade import readyz
 
 THREADS, TRANSACTIONS, REPORTS = 4, 40, 50
 # One producer's receiver answers slowly, so a daemon holds leases for a while (and the kill
@@ -49,14 +46,6 @@ def seller_engine(url: str):
     """The seller's ordinary engine, with the README's one setting for a transaction pooler."""
     return create_engine(make_url(url).set(drivername="postgresql+psycopg"),
                          connect_args={"prepare_threshold": None})
-
-
-def outboxd(env: dict[str, str], *args: str) -> str:
-    """Run an ``outboxd`` command (through the pooler: the env's URL); its output."""
-    done = subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 class Producers:
@@ -137,7 +126,7 @@ def test_two_daemons_behind_pgbouncer_deliver_every_commit_once(pg_server_url, f
         extra = {"listen_database_url": fresh_db} if wakeup == "listen" else {}
         # The default poll interval (the tests' usual 0.5 s would flatter the polling latency).
         env = procs.daemon_env(pooled, key, database_pooler="transaction", poll_interval_seconds=1.0, **extra)
-        outboxd(env, "migrate")
+        procs.outboxd(env, "migrate", exit_code=0)
         engine = seller_engine(pooled)
         logs = [tmp_path / "a.log", tmp_path / "b.log"]
         with procs.receiver(tmp_path, jwks, verifier="adcp", log_bodies=True) as (port, arrivals_log):
@@ -161,7 +150,7 @@ def test_two_daemons_behind_pgbouncer_deliver_every_commit_once(pg_server_url, f
             finally:
                 for d in daemons:
                     procs.stop(d)
-            status = json.loads(outboxd(env, "status", "--json"))
+            status = json.loads(procs.outboxd(env, "status", "--json", exit_code=0).stdout)
             summary = check_ledger(engine, [arrivals_log])
             assert status["messages"]["delivered"] == total  # the CLI through the pooler too
             stored = load_messages(engine)
@@ -207,7 +196,7 @@ def test_prepared_statements_through_pgbouncer_fail_readiness_not_silently(pg_se
         ports = [free_port(), free_port()]
         envs = [procs.daemon_env(pooled, key, metrics_addr=f"127.0.0.1:{p}", database_outage_seconds=outage)
                 for p in ports]
-        outboxd(envs[0], "migrate")
+        procs.outboxd(envs[0], "migrate", exit_code=0)
         engine = seller_engine(pooled)
         logs = [tmp_path / "a.log", tmp_path / "b.log"]
         with procs.receiver(tmp_path, jwks, verifier="adcp") as (port, _):
@@ -219,12 +208,12 @@ def test_prepared_statements_through_pgbouncer_fail_readiness_not_silently(pg_se
 
                 def red() -> bool:
                     for p in ports:
-                        status, body = readyz(p)
+                        status, body = procs.readyz(p)
                         if status == 503 and "prepared statements through a transaction pooler" in body:
                             seen.setdefault(p, (time.monotonic(), body))
                     return bool(seen)
 
-                assert procs.wait_until(red, 60), [readyz(p) for p in ports]
+                assert procs.wait_until(red, 60), [procs.readyz(p) for p in ports]
                 red_port, (red_at, body) = next(iter(seen.items()))
                 assert "OUTBOX_DATABASE_POOLER=transaction" in body
                 assert metric(red_port, 'outbox_database_errors_total{cause="prepared_statements"}') >= 1
@@ -255,13 +244,13 @@ def test_a_daemon_started_without_the_setting_says_which_one(pg_server_url, fres
         pooled = bouncer.url(fresh_db)
         port = free_port()
         env = procs.daemon_env(pooled, key, metrics_addr=f"127.0.0.1:{port}", database_outage_seconds=outage)
-        outboxd(env, "migrate")
+        procs.outboxd(env, "migrate", exit_code=0)
         log = tmp_path / "d.log"
         daemon = procs.start_daemon(env, log)
         try:
-            assert procs.wait_until(lambda: "set OUTBOX_DATABASE_POOLER=transaction" in readyz(port)[1], 30), \
-                readyz(port)
-            assert readyz(port)[0] == 503
+            assert procs.wait_until(lambda: "set OUTBOX_DATABASE_POOLER=transaction" in procs.readyz(port)[1], 30), \
+                procs.readyz(port)
+            assert procs.readyz(port)[0] == 503
             assert daemon.wait(outage + 30) != 0
         finally:
             procs.stop(daemon, signal.SIGKILL)

@@ -8,29 +8,17 @@ import asyncio
 import collections
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 from sqlalchemy import func, select, text, update
 
-import outbox
 from outbox.db import make_async_engine
 from outbox.schema import job_items, jobs, messages
 from supervisor.operator import jobs as recovery
 from supervisor.cycle.outage import OutageGuard
 from tests import procs
-
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.1/32"})
-
-
-def _enqueue(engine, tenant: str, url: str, n: int, start: int = 0) -> list[int]:
-    with engine.begin() as conn:
-        return [outbox.enqueue_task_webhook(
-            conn, tenant_id=tenant, task_id=f"{tenant}{i}", task_type="create_media_buy", status="completed",
-            settings=SETTINGS, push_notification_config={"url": url, "operation_id": "op"}).id
-            for i in range(start, start + n)]
+from tests.ledger import enqueue_tasks
 
 
 def _kill(engine, ids: list[int], reason: str, ago: float = 60.0) -> None:
@@ -43,10 +31,10 @@ def _kill(engine, ids: list[int], reason: str, ago: float = 60.0) -> None:
 
 
 async def test_a_job_replays_its_selection_once_and_obeys_pause_resume_and_cancel(engine):
-    gone = _enqueue(engine, "acme", "http://127.0.0.1:9/a", 7)
-    expired = _enqueue(engine, "acme", "http://127.0.0.1:9/b", 3, start=10)
-    other_tenant = _enqueue(engine, "zeta", "http://127.0.0.1:9/a", 2)
-    old = _enqueue(engine, "acme", "http://127.0.0.1:9/a", 2, start=20)
+    gone = enqueue_tasks(engine, "acme", "http://127.0.0.1:9/a", 7)
+    expired = enqueue_tasks(engine, "acme", "http://127.0.0.1:9/b", 3, start=10)
+    other_tenant = enqueue_tasks(engine, "zeta", "http://127.0.0.1:9/a", 2)
+    old = enqueue_tasks(engine, "acme", "http://127.0.0.1:9/a", 2, start=20)
     _kill(engine, gone, "gone")
     _kill(engine, expired, "expired")
     _kill(engine, other_tenant, "gone")
@@ -94,7 +82,7 @@ async def test_a_job_replays_its_selection_once_and_obeys_pause_resume_and_cance
 
 
 async def test_the_runner_keeps_to_the_rate(pg_engine):
-    ids = _enqueue(pg_engine, "acme", "http://127.0.0.1:9/a", 30)
+    ids = enqueue_tasks(pg_engine, "acme", "http://127.0.0.1:9/a", 30)
     _kill(pg_engine, ids, "gone")
     async_engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
     try:
@@ -118,16 +106,11 @@ async def test_the_runner_keeps_to_the_rate(pg_engine):
     assert time.monotonic() - started >= 2.0  # 30 messages at 10/s: three chunks, two pauses of a second
 
 
-def _outboxd(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=60)
-
-
 @pytest.mark.e2e
 def test_a_job_of_10000_survives_sigkill_and_replays_each_message_once(pg_engine, pg_url, tmp_path):
     key, jwks = procs.make_key(tmp_path)
     with procs.receiver(tmp_path, None) as (port, log):
-        [first] = _enqueue(pg_engine, "acme", f"http://127.0.0.1:{port}/ok", 1)
+        [first] = enqueue_tasks(pg_engine, "acme", f"http://127.0.0.1:{port}/ok", 1)
         with pg_engine.begin() as conn:  # 9,999 more like it, each its own key (cheaper than 9,999 enqueues)
             conn.execute(text("""
                 INSERT INTO outbox_messages (tenant_id, url, origin, idempotency_key, body, body_sha256, auth_mode,
@@ -143,10 +126,10 @@ def test_a_job_of_10000_survives_sigkill_and_replays_each_message_once(pg_engine
         assert len(ids) == 10_000
         _kill(pg_engine, ids, "gone")
         env = procs.daemon_env(pg_url, key)
-        dry = _outboxd(env, "recover", "start", "--tenant", "acme", "--since", "1h", "--dry-run", "--json")
+        dry = procs.outboxd(env, "recover", "start", "--tenant", "acme", "--since", "1h", "--dry-run", "--json")
         assert dry.returncode == 0 and json.loads(dry.stdout) == {"would_replay": 10_000}, dry.stderr
         # a rate well above the default keeps the test short; the rate is tested above
-        made = _outboxd(env, "recover", "start", "--tenant", "acme", "--since", "1h", "--rate", "1500", "--json")
+        made = procs.outboxd(env, "recover", "start", "--tenant", "acme", "--since", "1h", "--rate", "1500", "--json")
         assert made.returncode == 0, made.stderr
         job_id = json.loads(made.stdout)["id"]
 
@@ -171,7 +154,7 @@ def test_a_job_of_10000_survives_sigkill_and_replays_each_message_once(pg_engine
             assert procs.wait_until(all_delivered, 240)
         finally:
             assert procs.stop(daemon) == 0
-        shown = _outboxd(env, "recover", "show", str(job_id))
+        shown = procs.outboxd(env, "recover", "show", str(job_id))
     job = progress()
     with pg_engine.connect() as conn:
         replays = collections.Counter(conn.execute(select(job_items.c.message_id).where(

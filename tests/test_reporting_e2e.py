@@ -15,7 +15,7 @@ import asyncio
 import collections
 import json
 import os
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -24,18 +24,10 @@ from sqlalchemy import func, select, update
 import outbox
 from adcp.reporting import ReliableReportingService
 from adcp.reporting.ledger import InMemoryReportingLedgerStore
-from adcp.reporting.ledger.models import ReportingConfigurationGenerationKey
-from adcp.reporting.ledger.notification_models import (
-    MaterializationReady,
-    ReportingStatusScope,
-    RevisionPublished,
-    StatusChanged,
-    new_event,
-)
+from adcp.reporting.ledger.notification_models import RevisionPublished, StatusChanged, new_event
 from adcp.reporting.outbox import (
     InMemoryReportingOutbox,
     ReportingEnvelopeCipher,
-    ReportingNotificationSubscription,
     ReportingNotificationWorker,
     validate_notification_payload,
 )
@@ -43,102 +35,12 @@ from outbox.reporting import ReportingHandoff
 from outbox.schema import attempts, messages
 from supervisor import cli
 from tests import procs
+from tests.reporting_world import (ACCOUNT, KEY, LEDGER, SETTINGS, START, TYPES, Clock, Registry, causes, listed,
+                                   message_count, record, register, sealed_bodies, settled)
+from tests.reporting_world import receiver  # noqa: F401 - a pytest fixture
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
-ACCOUNT = "acct_glow"
-TYPES = ("reporting.delivery_ready", "reporting.ledger_changed", "reporting.status_changed")
-LEDGER = "reporting.ledger_changed"
-KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                     "OUTBOX_SELLER_AGENT_URL": "https://seller.example/adcp",
-                                     "OUTBOX_ENCRYPTION_KEY": KEY})
-START = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
-
-
-class Clock:
-    """The SDK's clock, moved by the test (leases lapse when the test says so)."""
-
-    def __init__(self) -> None:
-        self.now = START
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
-class Registry:
-    """The seller's trusted registrations, as the SDK's subscription resolver reads them."""
-
-    def __init__(self) -> None:
-        self.subscriptions: dict[str, ReportingNotificationSubscription] = {}
-
-    def add(self, subscriber_id: str, principal_id: str, event_types: tuple[str, ...]) -> None:
-        self.subscriptions[subscriber_id] = ReportingNotificationSubscription(
-            ACCOUNT, subscriber_id, principal_id, f"https://{subscriber_id}.buyer.example/reporting", event_types,
-            "rev-1", "authz-1", "proof-1", signing_scope_id="scope-1", active=True, authorized=True,
-            proof_valid=True)
-
-    async def list_active(self, *, account_id: str, notification_type: str):
-        return tuple(s for s in self.subscriptions.values() if notification_type in s.event_types)
-
-    async def get_active(self, *, account_id: str, subscriber_id: str, notification_type: str):
-        return self.subscriptions.get(subscriber_id)
-
-
-def register(engine, sid: str, principal: str, url: str, event_types=TYPES, tenant: str = "t1") -> None:
-    with engine.begin() as conn:
-        outbox.register_subscriber(conn, tenant_id=tenant, account_id=ACCOUNT, principal_id=principal,
-                                   notification_config={"subscriber_id": sid, "url": url,
-                                                        "event_types": list(event_types)}, settings=SETTINGS)
-
-
-def causes(consumer: str) -> list:
-    generation = ReportingConfigurationGenerationKey(ACCOUNT, consumer, "cfg_1", 1)
-    return [RevisionPublished(f"rev_{consumer}", consumer, "snapshot"),
-            StatusChanged(ReportingStatusScope(ACCOUNT, generation, feed_purpose="pacing"), "healthy", "a" * 64, 1),
-            MaterializationReady(generation, consumer, "obl_1", "dest_1", "file_transfer", f"rev_{consumer}",
-                                 "mat_1", "available", "snapshot", START, "pacing")]
-
-
-async def record(store: InMemoryReportingLedgerStore, *items) -> None:
-    """Events written in one ledger transaction, as the SDK's ledger writes them."""
-    async with store._mutation():
-        for cause in items:
-            store._record_notification(new_event(ACCOUNT, cause, START))
-
-
-async def sealed_bodies(queue: InMemoryReportingOutbox, cipher: ReportingEnvelopeCipher) -> dict[str, bytes]:
-    """Every expanded delivery's exact body, by idempotency key (opened with the SDK's cipher)."""
-    return {d.delivery.binding.idempotency_key: cipher.open(d.delivery).prepared.body
-            for d in await queue.list_deliveries(account_id=ACCOUNT)}
-
-
-def message_count(engine) -> int:
-    with engine.connect() as conn:
-        return conn.execute(select(func.count()).select_from(messages)
-                            .where(messages.c.notification_type.in_(TYPES))).scalar_one()
-
-
-def listed(engine) -> list[outbox.Subscriber]:
-    with engine.connect() as conn:
-        return outbox.list_subscribers(conn, tenant_id="t1", account_id=ACCOUNT)
-
-
-def settled(engine) -> bool:
-    with engine.connect() as conn:
-        states = conn.execute(select(messages.c.state)).scalars().all()
-    return bool(states) and all(s in ("delivered", "dead") for s in states)
-
-
-@pytest.fixture(scope="module")
-def receiver(tmp_path_factory):
-    """One verifying receiver for the file (starting the SDK's verifier is the slow part)."""
-    directory = tmp_path_factory.mktemp("receiver")
-    key, jwks = procs.make_key(directory)
-    with procs.receiver(directory, jwks, log_bodies=True) as (port, log):
-        yield key, f"http://127.0.0.1:{port}", log, jwks
-
-
 def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp_path, receiver):
     key, base, log, _ = receiver
     register(pg_engine, "sub-a", "buyer-a", f"{base}/flaky/2/503/a")  # 503, 503, then 200 for every key

@@ -22,7 +22,7 @@ from adcp.reporting.outbox import InMemoryReportingOutbox, ReportingEnvelopeCiph
 from outbox.reporting import ReportingHandoff
 from outbox.schema import attempts, messages
 from tests import procs
-from tests.test_reporting_e2e import ACCOUNT, KEY, LEDGER, SETTINGS, Clock, Registry, causes, listed, record, register
+from tests.reporting_world import ACCOUNT, KEY, LEDGER, SETTINGS, Clock, Registry, causes, listed, record, register
 
 pytestmark = pytest.mark.e2e
 

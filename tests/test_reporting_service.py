@@ -57,7 +57,7 @@ from adcp.reporting.outbox.status_memory import InMemoryStatusNotificationStore
 from adcp.reporting.testing import DeterministicReportingClock
 from outbox.reporting import ReportingHandoff
 from tests import procs
-from tests.test_reporting_e2e import (  # noqa: F401  (receiver is a fixture)
+from tests.reporting_world import (  # noqa: F401  (receiver is a fixture)
     ACCOUNT,
     KEY,
     SETTINGS,

@@ -28,7 +28,7 @@ from outbox.schema import attempts
 from supervisor.wire.http1 import ERROR_BODY_KEPT
 from supervisor.wire.transport import HttpSender
 from tests import procs
-from tests.test_ui import console, signed_in  # noqa: F401 (fixture)
+from tests.console_driver import console, signed_in  # noqa: F401 (fixture)
 
 BEARER = "sk_live_4f9a8b7c6d5e4f3a2b1c0d"
 PASSWORD = "hunter2"

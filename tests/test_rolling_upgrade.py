@@ -11,8 +11,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -43,16 +41,6 @@ def previous_release(tmp_path_factory) -> tuple[Path, str]:
     return root, previous
 
 
-def readyz(port: int) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError as exc:  # not listening (yet, or any more)
-        return 0, str(exc)
-
-
 def start(code_root: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     env = {**env, "PYTHONPATH": str(code_root)}
     return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run"], env=env, cwd=code_root,
@@ -70,7 +58,7 @@ def test_a_daemon_one_revision_behind_keeps_delivering(previous_release, pg_engi
                        tmp_path / "old.log")
         try:
             assert procs.wait_until(lambda: finished(pg_engine, 5), 40), (tmp_path / "old.log").read_text()[-800:]
-            assert readyz(port) == (200, "ready\n")
+            assert procs.readyz(port) == (200, "ready\n")
         finally:
             assert procs.stop(daemon) == 0
     assert len(procs.arrivals(log)) == 5
@@ -98,13 +86,13 @@ def test_a_daemon_waits_for_a_database_behind_it_then_runs(previous_release, tmp
         enqueue_many(engine, f"http://127.0.0.1:{receiver_port}", ["/ok"])
         daemon = start(ROOT, procs.daemon_env(url, key, metrics_addr=f"127.0.0.1:{port}"), tmp_path / "new.log")
         try:
-            assert procs.wait_until(lambda: _listening(port) and readyz(port)[0] == 503, 40)
-            status, body = readyz(port)
+            assert procs.wait_until(lambda: _listening(port) and procs.readyz(port)[0] == 503, 40)
+            status, body = procs.readyz(port)
             assert f"at {old_head}, this outboxd needs {head_revision()}: waiting for `outboxd migrate`" in body
             assert daemon.poll() is None and not procs.arrivals(log)  # waiting, not exiting, not sending
             upgrade(engine)
             assert procs.wait_until(lambda: finished(engine, 1), 40)
-            assert readyz(port) == (200, "ready\n")
+            assert procs.readyz(port) == (200, "ready\n")
         finally:
             assert procs.stop(daemon) == 0
             engine.dispose()
@@ -112,7 +100,7 @@ def test_a_daemon_waits_for_a_database_behind_it_then_runs(previous_release, tmp
 
 def _listening(port: int) -> bool:
     try:
-        readyz(port)
+        procs.readyz(port)
         return True
     except OSError:
         return False

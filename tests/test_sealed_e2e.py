@@ -18,7 +18,6 @@ from outbox.schema import messages
 from supervisor.cli import main as cli
 from tests import procs, stored
 from tests.ledger import finished, states
-from tests.test_rolling_upgrade import readyz
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
@@ -131,7 +130,7 @@ def test_without_its_key_the_daemon_holds_sealed_messages_until_the_key_is_suppl
                                                          **missing), tmp_path / "held.log")
             try:
                 assert procs.wait_until(lambda: held(port), 30), (tmp_path / "held.log").read_text()[-800:]
-                status, line = readyz(port)
+                status, line = procs.readyz(port)
                 assert line.count("\n") == 1 and "OUTBOX_ENCRYPTION_OLD_KEYS" in line
                 assert procs.wait_until(lambda: "encryption.rows_unopenable" in (tmp_path / "held.log").read_text(), 30)
                 assert "outbox_sealed_rows_unopenable 3.0" in metrics(port)
@@ -161,7 +160,7 @@ def test_without_its_key_the_daemon_holds_sealed_messages_until_the_key_is_suppl
 
 def held(port: int) -> bool:
     try:
-        status, line = readyz(port)
+        status, line = procs.readyz(port)
     except OSError:  # not listening yet
         return False
     return status == 503 and "held" in line

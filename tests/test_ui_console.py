@@ -19,8 +19,8 @@ from sqlalchemy import func, select
 from outbox.schema import breakers, messages
 from tests import procs
 from tests.console_history import DUE_AGO, OPEN_ENDPOINT, QUIET_TO, attempt_rows, seed, tally
-from tests.test_ui import (TOKEN, chromium, console, console_env,  # noqa: F401 (fixture)
-                           keep_shots, needs_chromium, sign_in, signed_in)
+from tests.console_driver import (chromium, console, console_env,  # noqa: F401 (fixture)
+                                  keep_shots, needs_chromium, sign_in, signed_in)
 
 pytestmark = pytest.mark.e2e
 BUCKET = re.compile(r'<g class="bucket" data-start="(\d+)" data-delivered="(\d+)" data-failed="(\d+)">')

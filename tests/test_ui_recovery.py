@@ -19,7 +19,7 @@ from outbox.schema import endpoint_stats, jobs, messages
 from supervisor.observe import health_stats
 from supervisor.ui.forms import JOB_RATE_MAX, BadInput, job_number, job_rate, job_selection
 from tests.console_history import ENDPOINTS, OPEN_ENDPOINT, seed
-from tests.test_ui import bucket_bounds, tile
+from tests.console_driver import bucket_bounds, tile
 
 TOKEN = "t" * 32
 # What the daemons recorded for the open endpoint in the current minute: (2xx?, latency ms, died?).

@@ -1,0 +1,116 @@
+"""The seller's side of the Reliable Reporting end-to-end tests: one account, its buyers'
+registrations, the SDK's ledger events and clock, and one verifying receiver per module.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+from sqlalchemy import func, select
+
+import outbox
+from adcp.reporting.ledger import InMemoryReportingLedgerStore
+from adcp.reporting.ledger.models import ReportingConfigurationGenerationKey
+from adcp.reporting.ledger.notification_models import (
+    MaterializationReady,
+    ReportingStatusScope,
+    RevisionPublished,
+    StatusChanged,
+    new_event,
+)
+from adcp.reporting.outbox import InMemoryReportingOutbox, ReportingEnvelopeCipher, ReportingNotificationSubscription
+from outbox.schema import messages
+from tests import procs
+
+ACCOUNT = "acct_glow"
+TYPES = ("reporting.delivery_ready", "reporting.ledger_changed", "reporting.status_changed")
+LEDGER = "reporting.ledger_changed"
+KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
+SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
+                                     "OUTBOX_SELLER_AGENT_URL": "https://seller.example/adcp",
+                                     "OUTBOX_ENCRYPTION_KEY": KEY})
+START = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
+
+
+class Clock:
+    """The SDK's clock, moved by the test (leases lapse when the test says so)."""
+
+    def __init__(self) -> None:
+        self.now = START
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class Registry:
+    """The seller's trusted registrations, as the SDK's subscription resolver reads them."""
+
+    def __init__(self) -> None:
+        self.subscriptions: dict[str, ReportingNotificationSubscription] = {}
+
+    def add(self, subscriber_id: str, principal_id: str, event_types: tuple[str, ...]) -> None:
+        self.subscriptions[subscriber_id] = ReportingNotificationSubscription(
+            ACCOUNT, subscriber_id, principal_id, f"https://{subscriber_id}.buyer.example/reporting", event_types,
+            "rev-1", "authz-1", "proof-1", signing_scope_id="scope-1", active=True, authorized=True,
+            proof_valid=True)
+
+    async def list_active(self, *, account_id: str, notification_type: str):
+        return tuple(s for s in self.subscriptions.values() if notification_type in s.event_types)
+
+    async def get_active(self, *, account_id: str, subscriber_id: str, notification_type: str):
+        return self.subscriptions.get(subscriber_id)
+
+
+def register(engine, sid: str, principal: str, url: str, event_types=TYPES, tenant: str = "t1") -> None:
+    with engine.begin() as conn:
+        outbox.register_subscriber(conn, tenant_id=tenant, account_id=ACCOUNT, principal_id=principal,
+                                   notification_config={"subscriber_id": sid, "url": url,
+                                                        "event_types": list(event_types)}, settings=SETTINGS)
+
+
+def causes(consumer: str) -> list:
+    generation = ReportingConfigurationGenerationKey(ACCOUNT, consumer, "cfg_1", 1)
+    return [RevisionPublished(f"rev_{consumer}", consumer, "snapshot"),
+            StatusChanged(ReportingStatusScope(ACCOUNT, generation, feed_purpose="pacing"), "healthy", "a" * 64, 1),
+            MaterializationReady(generation, consumer, "obl_1", "dest_1", "file_transfer", f"rev_{consumer}",
+                                 "mat_1", "available", "snapshot", START, "pacing")]
+
+
+async def record(store: InMemoryReportingLedgerStore, *items) -> None:
+    """Events written in one ledger transaction, as the SDK's ledger writes them."""
+    async with store._mutation():
+        for cause in items:
+            store._record_notification(new_event(ACCOUNT, cause, START))
+
+
+async def sealed_bodies(queue: InMemoryReportingOutbox, cipher: ReportingEnvelopeCipher) -> dict[str, bytes]:
+    """Every expanded delivery's exact body, by idempotency key (opened with the SDK's cipher)."""
+    return {d.delivery.binding.idempotency_key: cipher.open(d.delivery).prepared.body
+            for d in await queue.list_deliveries(account_id=ACCOUNT)}
+
+
+def message_count(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(messages)
+                            .where(messages.c.notification_type.in_(TYPES))).scalar_one()
+
+
+def listed(engine) -> list[outbox.Subscriber]:
+    with engine.connect() as conn:
+        return outbox.list_subscribers(conn, tenant_id="t1", account_id=ACCOUNT)
+
+
+def settled(engine) -> bool:
+    with engine.connect() as conn:
+        states = conn.execute(select(messages.c.state)).scalars().all()
+    return bool(states) and all(s in ("delivered", "dead") for s in states)
+
+
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory):
+    """One verifying receiver for the file (starting the SDK's verifier is the slow part)."""
+    directory = tmp_path_factory.mktemp("receiver")
+    key, jwks = procs.make_key(directory)
+    with procs.receiver(directory, jwks, log_bodies=True) as (port, log):
+        yield key, f"http://127.0.0.1:{port}", log, jwks
