@@ -2,6 +2,7 @@ from sqlalchemy import inspect, text
 
 from outbox.db import make_engine
 from outbox.migrate import current_revision, head_revision, upgrade
+from tests.conftest import EMPTIED_TABLES, KEPT_TABLES
 
 
 def test_migrate_creates_prefixed_tables_on_both(engine):
@@ -10,6 +11,16 @@ def test_migrate_creates_prefixed_tables_on_both(engine):
     assert all(n.startswith("outbox_") for n in names)
     with engine.connect() as conn:
         assert current_revision(conn) == head_revision()
+
+
+def test_every_table_is_emptied_between_tests_or_kept_on_purpose(pg_engine):
+    """A table a new migration adds must join one of the two lists, or tests would see each
+    other's rows in it."""
+    with pg_engine.connect() as conn:
+        tables = set(conn.execute(text(
+            "SELECT relname FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
+            " AND relkind IN ('r', 'p') AND NOT relispartition")).scalars())
+    assert tables == set(EMPTIED_TABLES) | set(KEPT_TABLES)
 
 
 def test_migrate_is_idempotent(sqlite_url):

@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from supervisor.wire.transport import RESPONSE_BODY_CAP, _default_resolver
-from tests.wire_peers import (BODY, HEADERS, answers_garbage, answers_late, hangs_up, loopback_settings, never_answers, ok,
-                              resets, response, sends_half_a_body, trickles)
+from tests.wire_peers import (BODY, HEADERS, answers_garbage, answers_late, hangs_up, loopback_settings, never_answers,
+                              ok, resets, response, sends_half_a_body, trickles)
 from tests.wire_peers import connects, event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
 
 SECRET = "SECRET123456"
@@ -256,7 +256,8 @@ async def test_https_sni_uses_url_host_while_connecting_to_pinned_ip(peers, send
         (never_answers, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
         (answers_late, "timeout", "ReadTimeout: no response data within the read timeout", 1.0),
         (answers_garbage, "protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1", 0.5),
-        (sends_half_a_body, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
+        (sends_half_a_body, "connection_error",
+         "RemoteProtocolError: connection closed before the response was complete", 0.5),
         (hangs_up, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
         (trickles, "timeout", "DeadlineExceeded: attempt exceeded connect + read timeout", 1.5),
     ],
