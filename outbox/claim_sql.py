@@ -11,6 +11,9 @@ from __future__ import annotations
 DEADLINE = "COALESCE(retry_until, created_at + COALESCE(horizon_seconds, :horizon))"
 # Every horizon is at least this long (AdCP delivery_retry_horizon_seconds minimum).
 MIN_HORIZON_SECONDS = 86_400
+# PostgreSQL's tables of due work (migration 0014): new arrivals, and each endpoint's and
+# origin's next due time, kept by triggers and the claim's fold rather than by the ORM.
+DUE_TABLES = ("outbox_due_arrivals", "outbox_due_endpoints", "outbox_due_origins")
 
 
 def _write_back(name: str, source: str, same_key: str) -> str:

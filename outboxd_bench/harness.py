@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from outbox.claim_sql import DUE_TABLES
 from outboxd_bench.certs import make_tls_files
 from outboxd_bench.procs import BENCH_APPLICATION, READY_TIMEOUT, BenchUsageError, Proc, ReceiverProc, spawn, start_receiver, wait_for
 
@@ -28,9 +29,8 @@ SHUTDOWN_GRACE = 2.0
 BENCH_KEY_ID = "outboxd-bench"
 # outbox_signing_keys too: each run's daemons register that run's throwaway key (keyring bootstrap);
 # the recovery jobs too: a job left running would go on replaying into the next run's rows
-OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_due_origins",
-                 "outbox_due_endpoints", "outbox_due_arrivals", "outbox_breaker_transitions", "outbox_signing_keys",
-                 "outbox_jobs", "outbox_job_items")
+OUTBOX_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", *DUE_TABLES,
+                 "outbox_breaker_transitions", "outbox_signing_keys", "outbox_jobs", "outbox_job_items")
 # The operator's knobs, passed through from the configured settings: the daemons run with
 # whatever the operator runs (the defaults, unless tuned).
 PASS_THROUGH = ("concurrency", "endpoint_concurrency", "claim_batch", "poll_interval_seconds",

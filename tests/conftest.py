@@ -17,6 +17,7 @@ from hypothesis import settings as hypothesis_settings
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
+from outbox.claim_sql import DUE_TABLES
 from outbox.config import Settings, load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
@@ -110,7 +111,7 @@ def ts_sdk_version() -> str:
 EMPTIED_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
                   "outbox_breaker_transitions", "outbox_signing_keys", "outbox_subscribers", "outbox_encryption_keys",
                   "outbox_encryption_readers", "outbox_endpoint_stats", "outbox_operator_events", "outbox_jobs",
-                  "outbox_job_items", "outbox_due_origins", "outbox_due_endpoints", "outbox_due_arrivals")
+                  "outbox_job_items", *DUE_TABLES)
 # Kept as the migrations leave them: the keyring's one version row, the schema's compatibility
 # rows and its revision (tests/test_migrate.py checks that every table is in one list or the other).
 KEPT_TABLES = ("outbox_keyring", "outbox_schema_compat", "outbox_alembic_version")

@@ -21,6 +21,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox import store
+from outbox.claim_sql import DUE_TABLES
 from outbox.config import Settings
 from outbox.partitions import ensure_attempt_partitions
 from outbox.schema import breakers
@@ -36,7 +37,6 @@ EXPIRE_INTERVAL = 30.0
 GAUGE_INTERVAL = 15.0
 PARTITION_INTERVAL = 3600.0
 PRUNE_INTERVAL = 60.0
-DUE_TABLES = ("outbox_due_arrivals", "outbox_due_endpoints", "outbox_due_origins")
 DUE_VACUUM_DEAD_ROWS = 1_000  # dead rows a due table may hold before this daemon vacuums it
 # Past this size a vacuum also gives the empty end of the table back: that takes the table's
 # strongest lock for a moment, so producers' inserts wait; below it, vacuumed pages are reused.
