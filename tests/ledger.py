@@ -24,6 +24,7 @@ PRODUCER = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWE
 
 
 def message_key(run: str, n: int) -> str:
+    """The ``n``th idempotency key of a run: known in advance, so a retried enqueue replays it."""
     return f"whk_test_{run}_{n:08d}"
 
 
@@ -49,6 +50,7 @@ def enqueue_batch(engine: Any, items: Iterable[tuple[str, str, str]], *, retry_f
 
 
 def load_messages(engine: Any) -> dict[str, Any]:
+    """Every stored message, by idempotency key."""
     with engine.connect() as conn:
         return {r.idempotency_key: r for r in conn.execute(select(
             messages.c.id, messages.c.idempotency_key, messages.c.tenant_id, messages.c.url, messages.c.state,
@@ -56,6 +58,7 @@ def load_messages(engine: Any) -> dict[str, Any]:
 
 
 def load_attempts(engine: Any) -> dict[int, list[Any]]:
+    """Every attempt row, by message id, in the order they were written."""
     out: dict[int, list[Any]] = collections.defaultdict(list)
     with engine.connect() as conn:
         for r in conn.execute(select(attempts.c.message_id, attempts.c.attempt_number, attempts.c.outcome,
@@ -66,6 +69,7 @@ def load_attempts(engine: Any) -> dict[int, list[Any]]:
 
 
 def arrivals_by_key(*logs: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every request the receivers logged, by idempotency key."""
     by_key: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for log in logs:
         for arrival in procs.arrivals(log):
@@ -74,6 +78,7 @@ def arrivals_by_key(*logs: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def daemon_events(log: Path) -> list[dict[str, Any]]:
+    """The daemon's JSON log events (other lines skipped)."""
     events = []
     for line in log.read_text(errors="replace").splitlines():
         try:
@@ -132,8 +137,9 @@ def check_ledger(engine: Any, logs: Iterable[Path], *, never_delivered: Iterable
     return dict(summary)
 
 
-def enqueue_many(engine, base: str, paths: list[str], *, tenants: int = 1, per_txn: int = 200) -> list[str]:
-    """Enqueue one terminal task webhook per path, ``per_txn`` per seller transaction."""
+def enqueue_many(engine: Any, base: str, paths: list[str], *, tenants: int = 1, per_txn: int = 200) -> list[str]:
+    """Enqueue one terminal task webhook per path under ``base``, ``per_txn`` per seller
+    transaction, across ``tenants`` tenants in turn; their idempotency keys."""
     keys = []
     for start in range(0, len(paths), per_txn):
         with engine.begin() as conn:
@@ -172,12 +178,13 @@ def finished(engine: Any, total: int, *, final: Iterable[str] = ("delivered", "d
     return sum(counts[s] for s in final) == total
 
 
-def leased_by(engine, pid: int) -> int:
+def leased_by(engine: Any, pid: int) -> int:
     """Rows leased by the daemon process ``pid`` (daemon ids are ``host:pid:random``)."""
     with engine.connect() as conn:
         return conn.execute(select(func.count()).where(messages.c.leased_by.like(f"%:{pid}:%"))).scalar_one()
 
 
 def exit_line(log: Path) -> str:
+    """The daemon's last ``outboxd run:`` line on stderr (why it exited), or ``""``."""
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("outboxd run:")]
     return lines[-1] if lines else ""
