@@ -49,6 +49,7 @@ def chromium(*, screen: bool = False) -> Iterator[Any]:
 
 
 def sign_in(browser: Any, base: str) -> None:
+    """Sign the browser in with the token, and wait for the console's first page."""
     from selenium.webdriver.common.by import By
 
     browser.get(f"{base}/login")
@@ -124,6 +125,7 @@ def console(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
 
 
 def signed_in(base: str) -> tuple[httpx.Client, str]:
+    """An HTTP client signed in to the console, and its CSRF token."""
     client = httpx.Client(base_url=base)
     assert client.post("/login", data={"token": TOKEN}).status_code == 303
     csrf = re.search(r'name="csrf" value="([^"]+)"', client.get("/").text)

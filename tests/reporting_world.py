@@ -63,6 +63,7 @@ class Registry:
 
 
 def register(engine, sid: str, principal: str, url: str, event_types=TYPES, tenant: str = "t1") -> None:
+    """Register buyer ``sid`` (principal ``principal``) for ``event_types`` at ``url``."""
     with engine.begin() as conn:
         outbox.register_subscriber(conn, tenant_id=tenant, account_id=ACCOUNT, principal_id=principal,
                                    notification_config={"subscriber_id": sid, "url": url,
@@ -70,6 +71,7 @@ def register(engine, sid: str, principal: str, url: str, event_types=TYPES, tena
 
 
 def causes(consumer: str) -> list:
+    """One cause of each reporting notification type for ``consumer``."""
     generation = ReportingConfigurationGenerationKey(ACCOUNT, consumer, "cfg_1", 1)
     return [RevisionPublished(f"rev_{consumer}", consumer, "snapshot"),
             StatusChanged(ReportingStatusScope(ACCOUNT, generation, feed_purpose="pacing"), "healthy", "a" * 64, 1),
@@ -91,17 +93,20 @@ async def sealed_bodies(queue: InMemoryReportingOutbox, cipher: ReportingEnvelop
 
 
 def message_count(engine) -> int:
+    """The reporting notifications in the outbox."""
     with engine.connect() as conn:
         return conn.execute(select(func.count()).select_from(messages)
                             .where(messages.c.notification_type.in_(TYPES))).scalar_one()
 
 
 def listed(engine) -> list[outbox.Subscriber]:
+    """The account's registered subscribers."""
     with engine.connect() as conn:
         return outbox.list_subscribers(conn, tenant_id="t1", account_id=ACCOUNT)
 
 
 def settled(engine) -> bool:
+    """Whether there are messages and every one is delivered or dead."""
     with engine.connect() as conn:
         states = conn.execute(select(messages.c.state)).scalars().all()
     return bool(states) and all(s in ("delivered", "dead") for s in states)

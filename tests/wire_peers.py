@@ -74,6 +74,7 @@ def connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @dataclass
 class Request:
+    """One request as the peer read it."""
     line: str
     headers: dict[str, str]
     body: bytes
@@ -135,10 +136,12 @@ class Peer:
 
 
 def response(status: int, body: bytes = b"ok", extra: str = "", reason: str = "X") -> bytes:
+    """The bytes of an HTTP/1.1 answer with a Content-Length."""
     return f"HTTP/1.1 {status} {reason}\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
 
 
 async def ok(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Answer 200 and keep the connection open."""
     writer.write(response(200, b'{"ok":true}', reason="OK"))
     await writer.drain()
     return True
@@ -146,6 +149,7 @@ async def ok(request: Request, reader: asyncio.StreamReader, writer: asyncio.Str
 
 @pytest.fixture
 async def peers():  # type: ignore[no-untyped-def]
+    """Start peers (``await peers(handler)``); all stopped after the test."""
     started: list[Peer] = []
 
     async def start(handler: Handler = ok, ssl_context: ssl.SSLContext | None = None) -> Peer:
@@ -169,6 +173,7 @@ def loopback_settings(**kw: object) -> Settings:
 
 @pytest.fixture
 async def senders():  # type: ignore[no-untyped-def]
+    """Make senders (``senders(settings, **kw)``); all closed after the test."""
     made: list[HttpSender] = []
 
     def make(s: Settings | None = None, **kw: object) -> HttpSender:
@@ -181,19 +186,17 @@ async def senders():  # type: ignore[no-untyped-def]
         await sender.aclose()
 
 
-BODY = b'{"idempotency_key":"whk_0123456789abcdef"}'
-HEADERS = {"Content-Type": "application/json"}
-
-
 # --------------------------------------------------------------------------- hostile receivers
 
 
 async def never_answers(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Read the request and say nothing, for an hour."""
     await asyncio.sleep(3600)
     return False
 
 
 async def resets(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Close with a TCP reset instead of an answer."""
     sock = writer.get_extra_info("socket")
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()  # close with linger 0: the kernel sends RST
@@ -201,27 +204,32 @@ async def resets(request: Request, reader: asyncio.StreamReader, writer: asyncio
 
 
 async def answers_late(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Answer 200 after 1.5 s (past the senders' read timeout)."""
     await asyncio.sleep(1.5)
     return await ok(request, reader, writer)
 
 
 async def answers_garbage(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Answer with bytes that are not HTTP."""
     writer.write(b"SSH-2.0-OpenSSH_9.6 totally not http\r\n\r\n")
     await writer.drain()
     return False
 
 
 async def sends_half_a_body(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Promise 1,000 bytes of body, send 100, close."""
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 100)
     await writer.drain()
     return False
 
 
 async def hangs_up(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Close without answering."""
     return False
 
 
 async def trickles(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Send a head, then the body a byte every 0.2 s: each read in time, the whole never."""
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
     while True:  # one byte per 0.2 s: each read is within the read timeout, forever
         writer.write(b"x")
