@@ -1,9 +1,10 @@
 """Stored webhook bodies: opening them, and re-sealing them onto the active key.
 
 A body is stored either as the exact bytes to send or sealed under an encryption key
-(:mod:`outbox.sealing`, whose ``plaintext`` is the one way to read what a row sends). Re-sealing moves rows to the active key (and seals
-rows written in plaintext, e.g. by a plain-SQL producer) in short batches, so a key
-rotation never stops delivery: see docs/encryption.md.
+(:mod:`outbox.sealing`, whose ``plaintext`` is the one way to read what a row sends).
+Re-sealing moves rows to the active key (and seals rows written in plaintext, e.g. by a
+plain-SQL producer) in short batches, so a key rotation never stops delivery: see
+docs/encryption.md.
 """
 
 from __future__ import annotations
@@ -92,11 +93,12 @@ async def reseal_batch(conn: AsyncConnection, keys: SealingKeys, *, after_id: in
                        limit: int = 200) -> tuple[int, int | None, list[int]]:
     """Re-seal up to ``limit`` rows (id > ``after_id``) not yet under the active key.
 
-    The row's binding digest is recomputed under the new key in the same update. Returns (rows re-sealed, the last id looked at or ``None`` when none is left, ids that
-    do not open). The plaintext is the same before and after, so a delivery in flight
-    sends identical bytes. Each update is fenced on the key it read, so a concurrent
-    re-sealer (another daemon) never overwrites newer work. A row that does not open is
-    left alone: a process that has its key moves it.
+    The row's binding digest is recomputed under the new key in the same update. Returns
+    (rows re-sealed, the last id looked at or ``None`` when none is left, ids that do not
+    open). The plaintext is the same before and after, so a delivery in flight sends
+    identical bytes. Each update is fenced on the key it read, so a concurrent re-sealer
+    (another daemon) never overwrites newer work. A row that does not open is left alone: a
+    process that has its key moves it.
     """
     query = (select(messages.c.id, messages.c.tenant_id, messages.c.idempotency_key, messages.c.body,
                     messages.c.body_key_id, messages.c.auth_secret, messages.c.url, messages.c.auth_mode,

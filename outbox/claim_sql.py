@@ -153,7 +153,8 @@ def claim_sql(pg: bool, now: str) -> str:
             retry_until = {DEADLINE}
         FROM picked WHERE outbox_messages.id = picked.picked_id
         RETURNING id, next_attempt_at, tenant_id, url, origin, idempotency_key, body, body_sha256, body_key_id,
-                  auth_mode, auth_secret, sequence_number, notification_type, attempts, retry_until, created_at, trigger,
+                  auth_mode, auth_secret, sequence_number, notification_type, attempts, retry_until, created_at,
+                  trigger,
                   {now} AS claimed_at, {breaker.format(col="state")} AS breaker_state,
                   {breaker.format(col="open_until")} AS breaker_open_until, traceparent, subscriber_ref"""
     if pg:

@@ -192,11 +192,13 @@ class Settings:
                 f"OUTBOX_READ_TIMEOUT_SECONDS ({self.connect_timeout_seconds + self.read_timeout_seconds:g}), "
                 "or a slow request could outlive its lease and be sent twice at once"
             )
-        for low, high in (("retry_base_seconds", "retry_max_seconds"), ("breaker_open_seconds", "breaker_max_open_seconds")):
+        for low, high in (("retry_base_seconds", "retry_max_seconds"),
+                          ("breaker_open_seconds", "breaker_max_open_seconds")):
             if getattr(self, high) < getattr(self, low):
                 raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
         if self.database_pooler not in POOLER_MODES:
-            raise ConfigurationError(f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r}")
+            raise ConfigurationError(
+                f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r}")
         if self.listen_database_url is not None and not self.listen_database_url.startswith("postgresql"):
             raise ConfigurationError("OUTBOX_LISTEN_DATABASE_URL must be a postgresql:// URL (a direct connection "
                                      "for LISTEN)")
@@ -331,7 +333,8 @@ def _coerce(name: str, annotation: str, raw: Any) -> Any:
         if annotation.startswith("float"):
             return float(raw)
     except (TypeError, ValueError):
-        raise ConfigurationError(f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a valid {annotation.split(' ')[0]}") from None
+        raise ConfigurationError(
+            f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a valid {annotation.split(' ')[0]}") from None
     return None if raw in (None, "") and "None" in annotation else str(raw)
 
 

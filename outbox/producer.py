@@ -205,7 +205,8 @@ def _horizon(horizon_seconds: Any) -> int | None:
         return None
     if not isinstance(horizon_seconds, int) or isinstance(horizon_seconds, bool) \
             or not 86_400 <= horizon_seconds <= 604_800:
-        raise OutboxValidationError("horizon_seconds", "must be within 86400..604800 (docs/protocol.md, 'Retry horizon')")
+        raise OutboxValidationError("horizon_seconds",
+                                    "must be within 86400..604800 (docs/protocol.md, 'Retry horizon')")
     return horizon_seconds
 
 

@@ -90,8 +90,9 @@ class ReportingHandoff:
     subscription resolver); ``engine`` is outboxd's database. :meth:`run_once` is the
     ``notification_worker`` turn the SDK's non-production service calls, or the turn of the
     loop ``outboxd run`` drives (docs/reporting.md). ``backlog`` (e.g. :func:`pg_backlog`)
-    feeds the metric and ``outboxd reporting``; ``close`` releases the seller's resources. Several hand-offs may run at once: the
-    SDK's delivery lease keeps them apart, and the idempotency key settles a lapsed one.
+    feeds the metric and ``outboxd reporting``; ``close`` releases the seller's resources.
+    Several hand-offs may run at once: the SDK's delivery lease keeps them apart, and the
+    idempotency key settles a lapsed one.
     """
 
     def __init__(self, *, worker: ExpandingWorker, engine: Engine, tenant_id: str,

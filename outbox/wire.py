@@ -15,8 +15,9 @@ def wire_form(value: Any) -> Any:
     The one conversion for SDK models, wherever they appear: a whole argument
     (``push_notification_config``, ``context``, ``payload``, ``result``) or a value nested
     inside a plain mapping (through :func:`json_default`, the ``default`` hook of every
-    ``json.dumps`` of caller input, which costs nothing for plain input). JSON mode with ``None`` fields left out, as the SDK's own server
-    serializes a tool result (``adcp.server.mcp_tools``), and wire names (``by_alias``).
+    ``json.dumps`` of caller input, which costs nothing for plain input). JSON mode with
+    ``None`` fields left out, as the SDK's own server serializes a tool result
+    (``adcp.server.mcp_tools``), and wire names (``by_alias``).
     """
     dump = getattr(value, "model_dump", None)
     return dump(mode="json", by_alias=True, exclude_none=True) if callable(dump) else value

@@ -173,12 +173,13 @@ def render_endpoints(phase: dict[str, Any]) -> list[str]:
     for case in phase["claims"].values():
         lines.append(f"  {case['endpoints']:>12,}{case['execution_ms']:>9.3f}{case['client_wall_ms']:>11.3f}"
                      f"{case['shared_buffers_hit']:>9}")
-    lines.append(f"  {'endpoints':>12}{'per s':>9}{'CPU ms':>11}{'PG ms':>9}{'box':>6}{'other s':>9}  both drains, per s")
+    lines.append(f"  {'endpoints':>12}{'per s':>9}{'CPU ms':>11}{'PG ms':>9}{'box':>6}{'other s':>9}"
+                 "  both drains, per s")
     for case in (phase["drain_few"], phase["drain_many"]):
         c = case["cpu"]
         lines.append(f"  {case['endpoints']:>12,}{case['deliveries_per_s']:>9.1f}{case['cpu_ms_per_delivery']:>11.3f}"
                      f"{case['postgres_cpu_ms_per_delivery']:>9.3f}{c['box_busy']:>6.0%}{c['other_cpu_s']:>9.2f}"
                      f"  {' / '.join(f'{rate:.1f}' for rate in case['rates'])}")
-    lines += [f"  most / fewest endpoints: claim buffers {phase['buffers_ratio']:g}, claim time {phase['time_ratio']:g}, "
-              f"deliveries/s {phase['rate_ratio']:g}", ""]
+    lines += [f"  most / fewest endpoints: claim buffers {phase['buffers_ratio']:g}, "
+              f"claim time {phase['time_ratio']:g}, deliveries/s {phase['rate_ratio']:g}", ""]
     return lines

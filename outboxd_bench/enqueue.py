@@ -198,7 +198,8 @@ def render_enqueue(phase: dict[str, Any]) -> list[str]:
              f"both sides with {driver}",
              f"  {'':46}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>11}"]
     rows = [("alone (SQLAlchemy)", "alone", None), ("+ enqueue_task_webhook", "task_webhook", "alone"),
-            ("+ enqueue_delivery_report", "delivery_report", "alone"), ("+ enqueue_event (1 subscriber)", "event", "alone"),
+            ("+ enqueue_delivery_report", "delivery_report", "alone"),
+            ("+ enqueue_event (1 subscriber)", "event", "alone"),
             ("alone (SDK's psycopg pool)", "sdk_alone", None),
             ("+ adcp PgTaskWebhookOutbox.enqueue_terminal", "sdk_enqueue_terminal", "sdk_alone")]
     for label, key, base in rows:

@@ -20,7 +20,8 @@ from typing import Any
 
 from outbox.claim_sql import DUE_TABLES
 from outboxd_bench.certs import make_tls_files
-from outboxd_bench.procs import BENCH_APPLICATION, READY_TIMEOUT, BenchUsageError, Proc, ReceiverProc, spawn, start_receiver, wait_for
+from outboxd_bench.procs import (BENCH_APPLICATION, READY_TIMEOUT, BenchUsageError, Proc, ReceiverProc, spawn,
+                                 start_receiver, wait_for)
 
 TENANTS = 10
 FEW_ENDPOINTS = 10  # the many-endpoints phase's baseline: as many backlogged endpoints as TENANTS

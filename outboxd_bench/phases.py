@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from outboxd_bench.harness import TENANTS, Bench
-from outboxd_bench.procs import POLL, CpuMeter, PhaseError, Proc, ReceiverProc, cpu_seconds, memory_mb, percentile, spawn
+from outboxd_bench.procs import (POLL, CpuMeter, PhaseError, Proc, ReceiverProc, cpu_seconds, memory_mb, percentile,
+                                 spawn)
 
 DUE_FOR_RSS = 10_000
 LATENCY_TAIL_TIMEOUT = 15.0  # after the last commit, wait at most this long for arrivals

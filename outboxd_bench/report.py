@@ -176,7 +176,8 @@ def render_table(report: dict[str, Any]) -> str:
                      f"{peer['cpu_s_per_1000']:>7.2f}{peer['postgres_cpu_s_per_1000']:>7.2f}")
         one = ph.get("throughput_one_origin")
         if one is not None:
-            lines.append(f"  outboxd (one origin) / adcp SDK = {one['deliveries_per_s'] / peer['deliveries_per_s']:.1f}x "
+            ratio = one["deliveries_per_s"] / peer["deliveries_per_s"]
+            lines.append(f"  outboxd (one origin) / adcp SDK = {ratio:.1f}x "
                          "deliveries/s, both with their defaults, same receiver, same run")
     wrk = ph.get("wrk")
     if wrk is not None and wrk["available"]:

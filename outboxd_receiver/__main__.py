@@ -1,4 +1,5 @@
-"""``python -m outboxd_receiver [--jwks FILE | --jwks-url URL...] [--port-file FILE] [--log FILE] [--tls-cert PEM --tls-key PEM] [--listen N]``
+"""``python -m outboxd_receiver [--jwks FILE | --jwks-url URL...] [--port-file FILE] [--log FILE]
+[--tls-cert PEM --tls-key PEM] [--listen N]``
 
 With ``--listen N`` one process serves N ports (N receiver origins, as many buyers on
 distinct hosts would be); the port file then holds the N ports separated by spaces.

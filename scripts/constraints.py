@@ -1,9 +1,10 @@
 """Write deploy/constraints.txt: exact versions of everything the image installs.
 
 The image runs ``pip install -c deploy/constraints.txt '.[ui]'``, which installs the
-project's runtime dependencies, the console's (the ``ui`` extra) and what they pull in. This script resolves that closure
-from the environment it runs in (a venv where outboxd's dependencies are installed) and
-pins each package to the version installed there, so the image gets what was tested.
+project's runtime dependencies, the console's (the ``ui`` extra) and what they pull in. This
+script resolves that closure from the environment it runs in (a venv where outboxd's
+dependencies are installed) and pins each package to the version installed there, so the
+image gets what was tested.
 
     python scripts/constraints.py            # rewrite deploy/constraints.txt
     python scripts/constraints.py --check    # exit 1 if the file is stale

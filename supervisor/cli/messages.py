@@ -50,7 +50,8 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         print_json(data)
         return held
     m = data["messages"]
-    print(f"messages   pending {m['pending']}  in_flight {m['in_flight']}  delivered {m['delivered']}  dead {m['dead']}")
+    print(f"messages   pending {m['pending']}  in_flight {m['in_flight']}  delivered {m['delivered']}  "
+          f"dead {m['dead']}")
     print(f"oldest due {data['oldest_due_age_seconds']:.1f} s" if m["pending"] else "oldest due none (nothing pending)")
     print("dead       " + (", ".join(f"{k} {v}" for k, v in data["dead_by_reason"].items()) or "none"))
     print("breakers   " + (", ".join(f"{b['tenant_id']}@{b['origin']} {b['state']} ({b['failures']} failures, "

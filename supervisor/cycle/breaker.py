@@ -105,9 +105,9 @@ def apply_outcomes(
     def trip(failures: int) -> None:
         """Open it; ``failures`` (what tripped it) stays on the row for operators until it closes."""
         state["trips"] += 1
-        state.update(failures=failures, successes=0, probe_until=None, open_until=now + policy.open_period(state["trips"]),
-                     window_started_at=None, window_attempts=0, window_failures=0, previous_attempts=0,
-                     previous_failures=0)
+        state.update(failures=failures, successes=0, probe_until=None,
+                     open_until=now + policy.open_period(state["trips"]), window_started_at=None,
+                     window_attempts=0, window_failures=0, previous_attempts=0, previous_failures=0)
         move(CircuitState.OPEN)
 
     for ok in successes:

@@ -305,7 +305,8 @@ class Completer:
         recorded = [(o, c, r) for o, (c, r) in zip(batch, plans) if o.message.id in applied]
         await health_stats.record(conn, health_stats.tally(
             (health_stats.Recorded.of(o.message.tenant_id, o.message.origin, o.outcome if r is not None else None,
-                                      o.response_time_ms, c.state == "dead") for o, c, r in recorded if o.message.origin),
+                                      o.response_time_ms, c.state == "dead")
+             for o, c, r in recorded if o.message.origin),
             now=now, daemon_id=self._daemon_id))
         await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason)
                                            for o, c, _ in recorded if c.state == "dead"],

@@ -117,7 +117,8 @@ class OutageGuard:
             self._log.critical("database.unreachable", doing=doing, outage_seconds=round(elapsed, 1),
                                cause=cause.label, reason=cause.text, error=type(exc).__name__)
             if cause.label == "connection":
-                raise DatabaseUnavailable(f"database unreachable for {elapsed:.0f} s (while trying to {doing})") from exc
+                raise DatabaseUnavailable(
+                    f"database unreachable for {elapsed:.0f} s (while trying to {doing})") from exc
             raise DatabaseUnavailable(f"database failing for {elapsed:.0f} s (while trying to {doing}): "
                                       f"{cause.text}") from exc
         if failures == 0 or (failures + 1) % 10 == 0:

@@ -74,8 +74,8 @@ class Metrics:
                                         "rode out (or died of, past OUTBOX_DATABASE_OUTAGE_SECONDS).",
                                         registry=r)
         self.database_errors = Counter("outbox_database_errors", "Failed database calls by cause: connection, "
-                                       "timeout, statement, prepared_statements and pooler_startup (a transaction pooler; "
-                                       "docs/pooler.md).", ["cause"], registry=r)
+                                       "timeout, statement, prepared_statements and pooler_startup (a transaction "
+                                       "pooler; docs/pooler.md).", ["cause"], registry=r)
         self.bodies_resealed = Counter("outbox_bodies_resealed", "Stored bodies moved onto the active encryption key.",
                                        registry=r)
         self.sealed_unopenable = Gauge(

@@ -166,7 +166,8 @@ def make_app(settings: Settings, token: str) -> Starlette:
             failures = await queries.failed_attempts(conn, scope, health.now - DAY.seconds, FAILURES_SHOWN)
         return render(request, "endpoint.html", refreshes=True, tenant=tenant, origin=origin, health=health,
                       rollup=rollup[0] if rollup else None, window=window[0],
-                      windows={name: here(request, window=name) for name in HEALTH_WINDOWS}, breaker=found, counts=counts, charts=drawn, failures=failures, now=health.now)
+                      windows={name: here(request, window=name) for name in HEALTH_WINDOWS}, breaker=found,
+                      counts=counts, charts=drawn, failures=failures, now=health.now)
 
     async def messages(request: Request) -> Response:
         if not signed_in(request):

@@ -35,7 +35,8 @@ from typing import cast
 
 import httptools
 
-__all__ = ["ERROR_BODY_KEPT", "Http1Connection", "Response", "StaleConnection", "TransportFailure", "connect", "encode_request"]
+__all__ = ["ERROR_BODY_KEPT", "Http1Connection", "Response", "StaleConnection", "TransportFailure", "connect",
+           "encode_request"]
 
 Response = tuple[int, dict[str, str], bytes, bool]  # status, lower-cased headers, body, reusable
 # What is kept of a non-2xx answer's body: enough for the attempt row's excerpt, no more. The
@@ -85,7 +86,8 @@ class _OutOfStep(Exception):
     """Raised from a parser callback to stop reading at a message after the answer."""
 
 
-LOCAL_PROTOCOL_ERROR = TransportFailure("protocol_error", "LocalProtocolError: request could not be encoded as valid HTTP")
+LOCAL_PROTOCOL_ERROR = TransportFailure("protocol_error",
+                                        "LocalProtocolError: request could not be encoded as valid HTTP")
 NOT_HTTP = TransportFailure("protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1")
 CLOSED_EARLY = TransportFailure("connection_error",
                                 "RemoteProtocolError: connection closed before the response was complete")

@@ -267,7 +267,8 @@ def signature_headers(
     database-corrected clock (``supervisor.cycle.clock``).
     """
     if not 1 <= expires_in <= MAX_VALIDITY_SECONDS:
-        raise ValueError(f"expires_in must be 1..{MAX_VALIDITY_SECONDS} seconds ('Signing' in docs/protocol.md), got {expires_in}")
+        raise ValueError(f"expires_in must be 1..{MAX_VALIDITY_SECONDS} seconds ('Signing' in docs/protocol.md), "
+                         f"got {expires_in}")
     if created is None:
         created = int(clock())
     if nonce is None:

@@ -19,10 +19,10 @@ Why this is not just ``httpx.AsyncClient().post(url)``:
   (docs/performance.md, "The HTTP client").
 * **Hostile receivers cannot hold us.** Redirects are never followed (docs/protocol.md
   "Destinations (SSRF)"), at most :data:`RESPONSE_BODY_CAP` bytes of a body are read
-  (docs/protocol.md "Sizes and timeouts") and at most 256 of a failed answer's are held, and the whole attempt (DNS + connect + exchange)
-  has a hard deadline of ``connect + read`` timeout, which ``Settings`` guarantees is
-  shorter than the lease, so a trickling receiver cannot make an attempt outlive its lease
-  and be sent twice at once.
+  (docs/protocol.md "Sizes and timeouts") and at most 256 of a failed answer's are held, and
+  the whole attempt (DNS + connect + exchange) has a hard deadline of ``connect + read``
+  timeout, which ``Settings`` guarantees is shorter than the lease, so a trickling receiver
+  cannot make an attempt outlive its lease and be sent twice at once.
 * **An idle connection the receiver closed is not its failure:** a request failing on a
   reused connection before any answer byte is sent once more, at once, on a new one
   (:class:`supervisor.wire.http1.StaleConnection`); any other failure is the attempt's.
@@ -371,7 +371,8 @@ class HttpSender:
             failure: TransportFailure | None = None
             for address in entry.addresses:
                 try:
-                    return await connect(address, target.port, ssl_context=self._ssl if target.scheme == "https" else None,
+                    return await connect(address, target.port,
+                                         ssl_context=self._ssl if target.scheme == "https" else None,
                                          server_hostname=target.host, timeout=self._settings.connect_timeout_seconds,
                                          body_cap=RESPONSE_BODY_CAP)
                 except TransportFailure as exc:
