@@ -188,10 +188,16 @@ def metric(port: int, line_start: str) -> float:
 
 def test_prepared_statements_through_pgbouncer_fail_readiness_not_silently(pg_server_url, fresh_db, tmp_path):
     """A pooler that ignores the ``options`` startup parameter (a common setting) lets the
-    daemon start without OUTBOX_DATABASE_POOLER; its prepared statements then fail."""
+    daemon start without OUTBOX_DATABASE_POOLER; its prepared statements then fail.
+
+    They fail as soon as a statement prepared on one server connection is run on another.
+    PgBouncer's default hands out the server connection used last, so on a quiet box each
+    client may keep getting the one that holds its statements for a while (the failure is
+    certain only under load); taking the server connections in turn makes it come at once."""
     key, jwks = procs.make_key(tmp_path)
     outage = 10
-    with pgbouncer(pg_server_url, pool_size=2, ignore_startup_parameters="options") as bouncer:
+    with pgbouncer(pg_server_url, pool_size=2, ignore_startup_parameters="options",
+                   server_round_robin=True) as bouncer:
         pooled = bouncer.url(fresh_db)
         ports = [free_port(), free_port()]
         envs = [procs.daemon_env(pooled, key, metrics_addr=f"127.0.0.1:{p}", database_outage_seconds=outage)
