@@ -191,14 +191,10 @@ def cluster() -> Iterator[PgCluster]:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def any_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def any_url(request: pytest.FixtureRequest) -> str:
     """A migrated database a test may break: a SQLite file, or one on the private cluster."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'outbox.db'}"
-        engine = make_engine(url)
-        upgrade(engine)
-        engine.dispose()
-        return url
+        return request.getfixturevalue("sqlite_url")
     return request.getfixturevalue("cluster").migrated_database()
 
 
