@@ -21,7 +21,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox.config import normalize_database_url
+from outbox.config_values import normalize_database_url
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 

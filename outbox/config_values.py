@@ -1,0 +1,117 @@
+"""How one setting's raw value, TOML's or an ``OUTBOX_*`` variable's text, becomes its typed value.
+
+Every parser refuses what it cannot read with a one-line :class:`ConfigurationError` that
+names the variable, so a daemon or a seller's app never starts on a half-understood setting.
+Ranges and the checks between settings are :class:`outbox.config.Settings`'s.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+from typing import Any, Mapping
+
+from outbox.errors import ConfigurationError
+from outbox.urls import Network
+
+ENV_PREFIX = "OUTBOX_"
+
+
+def normalize_database_url(url: str) -> str:
+    """``postgres://`` (Heroku's, libpq's and many platforms' spelling) as ``postgresql://``.
+
+    SQLAlchemy knows only the latter; the two name the same database.
+    """
+    scheme, sep, rest = url.partition("://")
+    base, plus, driver = scheme.partition("+")
+    if sep and base.lower() == "postgres":
+        return f"postgresql{plus}{driver}://{rest}"
+    return url
+
+
+def _parse_bool(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    value = str(raw).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigurationError(f"{ENV_PREFIX}{name.upper()} must be true or false, got {raw!r}")
+
+
+def _parse_cidrs(raw: Any) -> tuple[Network, ...]:
+    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+    networks = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError as exc:
+            raise ConfigurationError(f"OUTBOX_ALLOWED_CIDRS: {item!r} is not a network ({exc})") from None
+    return tuple(networks)
+
+
+def _parse_encryption_key(raw: Any, variable: str = "OUTBOX_ENCRYPTION_KEY") -> bytes:
+    try:
+        key = base64.b64decode(str(raw).strip(), validate=True)
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ConfigurationError(
+            f"{variable} must be 32 bytes in base64 (`outboxd encryption generate` prints one)"
+        )
+    return key
+
+
+def _parse_old_keys(raw: Any) -> tuple[bytes, ...]:
+    items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+    return tuple(_parse_encryption_key(i, "each of OUTBOX_ENCRYPTION_OLD_KEYS") for i in items if str(i).strip())
+
+
+def _parse_tenant_keys(raw: Any) -> dict[str, tuple[str, str]]:
+    if not isinstance(raw, Mapping):
+        raise ConfigurationError("tenant_signing_keys must be a TOML table of tenant = {file, key_id}")
+    keys = {}
+    for tenant, entry in raw.items():
+        where = f"[outbox.tenant_signing_keys] {tenant!r}"
+        if not isinstance(entry, Mapping):
+            raise ConfigurationError(f"{where} must be a table {{file = \"...\", key_id = \"...\"}}, got {entry!r}")
+        missing = [k for k in ("file", "key_id") if not isinstance(entry.get(k), str) or not entry.get(k)]
+        unknown = sorted(set(entry) - {"file", "key_id"})
+        if missing or unknown:
+            raise ConfigurationError(f"{where}: " + "; ".join(
+                [f"needs {k} (a string)" for k in missing] + [f"unknown key {k!r}" for k in unknown]))
+        keys[str(tenant)] = (entry["file"], entry["key_id"])
+    return keys
+
+
+def coerce(name: str, annotation: str, raw: Any) -> Any:
+    """``raw`` as the setting ``name`` (declared as ``annotation`` on Settings) holds it."""
+    if name == "allowed_cidrs":
+        return _parse_cidrs(raw)
+    if name == "encryption_key":
+        return _parse_encryption_key(raw)
+    if name == "encryption_old_keys":
+        return _parse_old_keys(raw)
+    if name == "database_url":
+        return normalize_database_url(str(raw))
+    if name in ("sinks", "operator_event_sinks"):
+        items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+        return tuple(s.strip() for s in items if str(s).strip())
+    if name == "tenant_signing_keys":
+        return _parse_tenant_keys(raw)
+    try:
+        if annotation.startswith("bool"):
+            return _parse_bool(name, raw)
+        if annotation.startswith("int"):
+            if isinstance(raw, (bool, float)):  # TOML: 2.5 or true for a count
+                raise ValueError(raw)
+            return int(raw)
+        if annotation.startswith("float"):
+            return float(raw)
+    except (TypeError, ValueError):
+        raise ConfigurationError(
+            f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a valid {annotation.split(' ')[0]}") from None
+    return None if raw in (None, "") and "None" in annotation else str(raw)
