@@ -111,7 +111,8 @@ def _featured(conn, now: float) -> int:
                                   "token": "console-test-token-0123456789", "operation_id": "op_featured"},
     ).idempotency_key
     message_id = conn.execute(select(messages.c.id).where(messages.c.idempotency_key == key)).scalar_one()
-    trail = ((503, "failed", "HTTP 503", 180), (503, "failed", "HTTP 503", 150), (None, "timeout", "read timed out", 10000),
+    trail = ((503, "failed", "HTTP 503", 180), (503, "failed", "HTTP 503", 150),
+             (None, "timeout", "read timed out", 10000),
              (200, "success", None, 95))
     rows = [{"message_id": message_id, "tenant_id": "acme", "url": f"{ENDPOINTS[0][1]}/hooks/featured",
              "attempt_number": number, "outcome": outcome, "http_status": status, "error": error,

@@ -47,7 +47,8 @@ def test_which_buyers_verify_which_key_purpose(ts_sdk_version: str) -> None:
     cases = [(_new_key(f"{alg}-{use}", alg), use) for alg in (ALG_ED25519, ALG_ES256)
              for use in (ADCP_USE_WEBHOOK, ADCP_USE_REQUEST)]
     jwks = {"keys": [key.public_jwk(use) for key, use in cases]}
-    signed = [ts_sdk.Captured("POST", URL, {k.lower(): v for k, v in signature_headers(key, url=URL, body=BODY).items()},
+    signed = [ts_sdk.Captured("POST", URL,
+                              {k.lower(): v for k, v in signature_headers(key, url=URL, body=BODY).items()},
                               BODY) for key, _ in cases]
     python = adcp_verifier(jwks)
     typescript = ts_sdk.verify(jwks, signed)

@@ -128,7 +128,8 @@ def test_daemon_exits_nonzero_after_the_outage_deadline(cluster, tmp_path, keypa
         line = exit_line(log)
         assert "database unreachable for" in line, f"no one-line reason on stderr: {line!r}"
         critical = [e for e in daemon_events(log) if e.get("event") == "database.unreachable"]
-        assert critical and critical[0]["level"] == "critical" and critical[0]["outage_seconds"] >= deadline  # logged rounded to 0.1 s
+        assert (critical and critical[0]["level"] == "critical"
+                and critical[0]["outage_seconds"] >= deadline)  # logged rounded to 0.1 s
         assert "Traceback" not in log.read_text(errors="replace")
         # Nothing was lost: a new daemon, with the database back, finishes every message.
         assert states(engine)["delivered"] < total, "the outage came too late to prove anything"

@@ -355,7 +355,8 @@ def test_compose_runs_two_daemons_after_a_one_shot_migrate():
         assert daemon["depends_on"]["migrate"]["condition"] == "service_completed_successfully", name
         key_file = daemon["environment"]["OUTBOX_SIGNING_KEY_FILE"]
         assert any(f":{Path(key_file).parent}:ro" in v for v in daemon["volumes"]), (name, key_file)
-        for key in ("OUTBOX_DATABASE_URL", "OUTBOX_SIGNING_KEY_ID", "OUTBOX_METRICS_ADDR", "OUTBOX_RETRY_HORIZON_SECONDS"):
+        for key in ("OUTBOX_DATABASE_URL", "OUTBOX_SIGNING_KEY_ID", "OUTBOX_METRICS_ADDR",
+                    "OUTBOX_RETRY_HORIZON_SECONDS"):
             assert key in daemon["environment"], (name, key)
         assert daemon["environment"]["OUTBOX_DATABASE_URL"].startswith("postgresql")
         assert daemon["build"]["dockerfile"] == "deploy/Dockerfile"
@@ -631,7 +632,8 @@ def test_kubernetes_pdb_service_and_migrate_job():
     assert container["args"] == ["migrate"]
     assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
     assert "OUTBOX_DATABASE_URL" in _pod_env(container)
-    assert not job["spec"]["template"]["metadata"]["labels"].items() >= pdb["spec"]["selector"]["matchLabels"].items(), (
+    assert not (job["spec"]["template"]["metadata"]["labels"].items()
+                >= pdb["spec"]["selector"]["matchLabels"].items()), (
         "the migrate Job's pod must not count toward the daemon's PodDisruptionBudget"
     )
 

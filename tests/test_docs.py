@@ -26,7 +26,8 @@ DOC_FILES = ("README.md", "docs", "deploy")
 
 def tracked() -> list[str]:
     """The repository's files (committed or about to be), as a clone would have them."""
-    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
     return [n for n in names if (ROOT / n).is_file()]
 
 

@@ -68,7 +68,8 @@ def test_an_adcp_3_0_registration_may_lack_operation_id_and_its_webhook_then_has
     with engine.begin() as conn:
         record = _task(conn, settings, push_notification_config=registration, adcp_version="3.0")
     raw = stored.body(engine, record.id, settings)
-    assert json.loads(raw).get("operation_id") == operation_id and stored.row(engine, record.id).operation_id == operation_id
+    assert (json.loads(raw).get("operation_id") == operation_id
+            and stored.row(engine, record.id).operation_id == operation_id)
     assert_valid(raw, release="3.0")  # the payload schema the buyer's release defines
 
 

@@ -78,7 +78,8 @@ def test_nothing_that_ships_tells_the_history_of_its_making():
 def test_one_answer_for_the_retry_horizon_measured_from_enqueue():
     assert "created_at + COALESCE(horizon_seconds" in store.DEADLINE  # what the code measures from
     protocol = (ROOT / "docs" / "protocol.md").read_text()
-    horizon = protocol[protocol.index("## Retry horizon"):protocol.index("\n## ", protocol.index("## Retry horizon") + 1)]
+    horizon = protocol[
+        protocol.index("## Retry horizon"):protocol.index("\n## ", protocol.index("## Retry horizon") + 1)]
     assert "since it was enqueued" in horizon and "first attempt" not in horizon
     assert "past enqueue + horizon" in (ROOT / "docs" / "architecture.md").read_text()
     assert "after it was **enqueued**" in README

@@ -66,7 +66,8 @@ JUNK = st.recursive(_scalars | _odd, lambda inner: st.lists(inner, max_size=3)
 BAD_STRING = st.sampled_from(["t\x00", "\ud800", "a\udfffb", "\x00"]) | st.text(min_size=1).map(lambda t: t + "\x00")
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 53, 2 ** 53)
                        | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
-                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                   max_size=4),
                        max_leaves=12)
 
 _ID_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:-"

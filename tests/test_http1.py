@@ -117,7 +117,8 @@ def responses(draw: st.DrawFn) -> tuple[bytes, bool]:
     framing = draw(st.sampled_from(FRAMING))
     close = draw(st.booleans()) or framing == "close"
     lines = [f"HTTP/1.1 {status} {draw(st.sampled_from(['OK', 'X', '']))}".rstrip(" ")]
-    interim = draw(st.sampled_from([b"", b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"]))
+    interim = draw(st.sampled_from([b"", b"HTTP/1.1 100 Continue\r\n\r\n",
+                                    b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"]))
     lines += [f"{n}: {v}" for n, v in headers]
     if close:
         lines.append("Connection: close")
@@ -131,7 +132,8 @@ def responses(draw: st.DrawFn) -> tuple[bytes, bool]:
         for size in sizes:
             piece, rest = rest[:size], rest[size:]
             if piece:
-                payload += f"{len(piece):x}".encode() + draw(st.sampled_from([b"", b";ext=1"])) + b"\r\n" + piece + b"\r\n"
+                payload += (f"{len(piece):x}".encode() + draw(st.sampled_from([b"", b";ext=1"]))
+                            + b"\r\n" + piece + b"\r\n")
         if rest:
             payload += f"{len(rest):X}\r\n".encode() + rest + b"\r\n"
         payload += b"0\r\n" + draw(st.sampled_from([b"", b"Trailer-X: 1\r\n"])) + b"\r\n"
@@ -367,7 +369,8 @@ def test_blank_lines_after_an_answer_drop_it_however_the_reads_fall(body: bytes,
     asyncio.run(every_split())
 
 
-async def test_an_answer_followed_by_the_start_of_another_never_answers_the_next_request(peers, senders) -> None:  # noqa: F811
+async def test_an_answer_followed_by_the_start_of_another_never_answers_the_next_request(peers, senders  # noqa: F811
+                                                                                         ) -> None:
     """One write holds a whole 200 and most of the head of another, whose body would be the
     next real answer: the next request is answered by its own 503."""
     async def two_in_one_write(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]

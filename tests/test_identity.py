@@ -217,7 +217,8 @@ def test_migration_converts_an_existing_database(sqlite_url, pg_server_url, tmp_
                 assert current_revision(conn) == parent
             upgrade(engine)
             names = {ix["name"]: ix for ix in inspect(engine).get_indexes("outbox_messages")}
-            assert names["outbox_messages_key_tenant_key"]["unique"] and "outbox_messages_idempotency_key_key" not in names
+            assert (names["outbox_messages_key_tenant_key"]["unique"]
+                    and "outbox_messages_idempotency_key_key" not in names)
             with engine.begin() as conn:
                 conn.execute(insert, {"t": "t2", "u": PNC["url"], "k": KEY, "b": body})  # a 0001-style writer
                 same = outbox.enqueue(conn, tenant_id="t1", url=PNC["url"],

@@ -7,7 +7,8 @@ from tests.conftest import EMPTIED_TABLES, KEPT_TABLES
 
 def test_migrate_creates_prefixed_tables_on_both(engine):
     names = set(inspect(engine).get_table_names())
-    assert {"outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers", "outbox_alembic_version"} <= names
+    assert {"outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
+            "outbox_alembic_version"} <= names
     assert all(n.startswith("outbox_") for n in names)
     with engine.connect() as conn:
         assert current_revision(conn) == head_revision()
@@ -33,7 +34,8 @@ def test_due_index_is_partial(engine):
     assert "outbox_messages_due_idx" in indexes
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
-            ddl = conn.execute(text("SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_messages_due_idx'")).scalar()
+            ddl = conn.execute(
+                text("SELECT indexdef FROM pg_indexes WHERE indexname = 'outbox_messages_due_idx'")).scalar()
         else:
             ddl = conn.execute(text("SELECT sql FROM sqlite_master WHERE name = 'outbox_messages_due_idx'")).scalar()
     assert "WHERE" in ddl and "pending" in ddl

@@ -95,7 +95,8 @@ def test_status_list_show_breakers_purge_and_errors(pg_engine, pg_url, capsys, m
         conn.execute(messages.update().where(messages.c.id == 2).values(state="delivered", finished_at=1.0,
                                                                         retry_until=9e9))
     code, out, _ = cli(capsys, monkeypatch, pg_url, "purge", "--older-than", "1d", "--json")
-    assert json.loads(out) == {"dry_run": False, "deleted": 1, "dropped_attempt_partitions": []}  # 2: inside its horizon
+    assert json.loads(out) == {"dry_run": False, "deleted": 1,
+                               "dropped_attempt_partitions": []}  # 2: inside its horizon
 
 
 def test_purge_rejects_bad_duration():

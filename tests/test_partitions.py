@@ -8,8 +8,6 @@ import threading
 import time
 
 import psycopg
-import pytest
-from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from outbox.db import make_async_engine, make_engine
@@ -48,7 +46,8 @@ def test_migration_converts_existing_history_and_old_inserts_keep_working(fresh_
         conn.execute(OLD_INSERT.format(extra="", values=""), (3,))  # an old daemon, after the upgrade
         later = time.time() + 3 * DAY
         conn.execute(OLD_INSERT.format(extra=", occurred_at", values=", %s"), (4, later))
-        rows = conn.execute("SELECT id, message_id, tableoid::regclass::text FROM outbox_attempts ORDER BY id").fetchall()
+        rows = conn.execute(
+            "SELECT id, message_id, tableoid::regclass::text FROM outbox_attempts ORDER BY id").fetchall()
     assert [r[1] for r in rows] == [0, 1, 2, 3, 4]
     assert [r[0] for r in rows] == sorted({r[0] for r in rows})  # the id sequence carried on
     assert rows[0][2] == "outbox_attempts_before_0007" and rows[4][2].startswith("outbox_attempts_p")

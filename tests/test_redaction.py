@@ -163,9 +163,11 @@ _HOSTS = st.one_of(
         lambda host: st.sampled_from([(host, True), (host + ".", True), (host.upper(), True)])),
     st.integers(0, 2**32 - 1).map(lambda n: (str(ipaddress.IPv4Address(n)), True)),
     st.integers(0, 2**128 - 1).flatmap(lambda n: st.sampled_from([
-        (f"[{ipaddress.IPv6Address(n).compressed}]", False), (f"[{ipaddress.IPv6Address(n).exploded.upper()}]", False)])),
+        (f"[{ipaddress.IPv6Address(n).compressed}]", False),
+        (f"[{ipaddress.IPv6Address(n).exploded.upper()}]", False)])),
     st.sampled_from(["b\u00fccher.example", "xn--bcher-kva.example", "EXAMPLE.com..", "a_b.example", "[::1",
-                     "-bad.example", "x" * 64 + ".example", "[v1.fe]", "[::ffff:1.2.3.4]", ""]).map(lambda h: (h, False)),
+                     "-bad.example", "x" * 64 + ".example", "[v1.fe]",
+                     "[::ffff:1.2.3.4]", ""]).map(lambda h: (h, False)),
 )
 _PORTS = st.one_of(st.just(""), st.integers(0, 70_000).map(lambda p: f":{p}"), st.sampled_from(
     [":", ":443", ":80", ":0443", ":00080", ":8x", ":65536", ":99999999"]))

@@ -135,7 +135,8 @@ def test_revoking_a_subscriber_cancels_its_unsent_messages(engine, cfg, revoke):
     with engine.connect() as conn:
         found = {r.subscriber_id: (r.id, r.state, r.dead_reason, r.last_error)
                  for r in conn.execute(select(messages).where(messages.c.notification_type == LEDGER))}
-    assert found["a-1"][1:] == ("dead", "cancelled", {"remove": "subscriber removed", "pause": "subscriber paused"}[revoke])
+    assert found["a-1"][1:] == ("dead", "cancelled",
+                                {"remove": "subscriber removed", "pause": "subscriber paused"}[revoke])
     assert found["a-2"] == (kept, "pending", None, None)
 
 

@@ -143,7 +143,8 @@ def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp
         assert {a["path"] for a in arrivals} == {expected_path}
         statuses = [a["status"] for a in arrivals]
         assert statuses == ([503, 503, 200] if payload["subscriber_id"] == "sub-a" else [200])
-    types_a = {json.loads(sent[k])["notification_type"] for k in sent if json.loads(sent[k])["subscriber_id"] == "sub-a"}
+    types_a = {json.loads(sent[k])["notification_type"] for k in sent
+               if json.loads(sent[k])["subscriber_id"] == "sub-a"}
     assert types_a == set(TYPES)
     # Buyer A's revisions never reach buyer B.
     assert all(json.loads(a["body"]).get("reporting_revision_id", "rev_buyer-b") == "rev_buyer-b"

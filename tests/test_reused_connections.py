@@ -48,7 +48,8 @@ async def test_a_reused_connection_dropped_before_any_answer_byte_is_retried_at_
     (answers_garbage, "protocol_error", "RemoteProtocolError: response is not valid HTTP/1.1"),
     (never_answers, "timeout", "ReadTimeout: no response data within the read timeout"),
 ], ids=["closed-mid-answer", "garbage", "never-answers"])
-async def test_any_other_failure_on_a_reused_connection_is_the_attempts(peers, senders, broken, kind, error) -> None:  # noqa: F811
+async def test_any_other_failure_on_a_reused_connection_is_the_attempts(peers, senders, broken, kind,  # noqa: F811
+                                                                        error) -> None:
     peer = await peers(second_request_on_a_connection(broken))
     sender = senders()
     url = f"http://127.0.0.1:{peer.port}/hook"

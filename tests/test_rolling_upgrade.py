@@ -70,7 +70,8 @@ def test_a_database_too_new_for_the_daemon_is_refused_in_one_line(previous_relea
         conn.execute(text("UPDATE outbox_schema_compat SET min_reader_revision = :rev"), {"rev": head_revision()})
     key, _ = procs.make_key(tmp_path)
     run = subprocess.run([sys.executable, "-m", "supervisor.cli", "run"], capture_output=True, text=True,
-                         timeout=60, cwd=old_root, env={**procs.daemon_env(sqlite_url, key), "PYTHONPATH": str(old_root)})
+                         timeout=60, cwd=old_root,
+                         env={**procs.daemon_env(sqlite_url, key), "PYTHONPATH": str(old_root)})
     assert run.returncode == 1 and run.stderr.count("\n") == 1
     assert f"database schema is at {head_revision()}, newer than this outboxd ({old_head})" in run.stderr
 

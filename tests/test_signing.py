@@ -150,7 +150,8 @@ def test_positive_vector(path: Path, tmp_path: Path) -> None:
             raw = _signature_bytes(header)
             assert len(raw) == 64
             r, s = int.from_bytes(raw[:32], "big"), int.from_bytes(raw[32:], "big")
-            public.verify(encode_dss_signature(r, s), base.encode(), ec.ECDSA(hashes.SHA256()))  # type: ignore[call-arg]
+            public.verify(encode_dss_signature(r, s), base.encode(),  # type: ignore[call-arg]
+                          ec.ECDSA(hashes.SHA256()))
 
     jwk = _public_jwk(VECTOR_KEYS[params["keyid"]])
     # The SDK verifier sees the URL as sent by the vector's client (e.g. with :443).
@@ -289,7 +290,8 @@ def test_matches_rfc9421_library(url: str, body: bytes, created: int, nonce: str
     ours = signature_headers(key, url=url, body=body, created=created, nonce=nonce, expires_in=expires_in)
     our_params = ours["Signature-Input"].removeprefix(f"{LABEL}=")
     our_base = signature_base(
-        method="POST", url=url, content_type="application/json", content_digest=ours["Content-Digest"], params=our_params
+        method="POST", url=url, content_type="application/json", content_digest=ours["Content-Digest"],
+        params=our_params
     )
 
     # The library signs the same request on its own: digest, component values, parameters.

@@ -138,7 +138,8 @@ def test_fan_out_matches_event_types_and_shares_one_notification_id(engine, cfg)
     for fire in fires:
         assert_valid(fire.body, "core/account-status-changed-webhook.json")
         assert fire.held and fire.next_attempt_at == HOLD_UNTIL  # their proofs are still pending
-        assert bytes(fire.binding_digest) == binding_digest(fire._mapping, cfg.sealing())  # docs/protocol.md "Idempotency"
+        assert bytes(fire.binding_digest) == binding_digest(
+            fire._mapping, cfg.sealing())  # docs/protocol.md "Idempotency"
     (challenge, *_) = rows(engine, cfg, messages.c.notification_type == "webhook.challenge")
     assert bytes(challenge.binding_digest) == binding_digest(challenge._mapping, cfg.sealing())
 

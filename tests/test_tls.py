@@ -40,7 +40,8 @@ def _settings(**env: str):  # type: ignore[no-untyped-def]
     return load_settings(env={"OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8", **env})
 
 
-async def _post(settings, url: str, env: dict[str, str] | None = None) -> tuple[int | None, str | None]:  # type: ignore[no-untyped-def]
+async def _post(settings, url: str,  # type: ignore[no-untyped-def]
+                env: dict[str, str] | None = None) -> tuple[int | None, str | None]:
     sender = HttpSender(settings, verify=tls_context(settings, env or {}))
     try:
         result = await sender.post(url, BODY, {"Content-Type": "application/json"})

@@ -261,7 +261,8 @@ async def test_https_sni_uses_url_host_while_connecting_to_pinned_ip(peers, send
         (hangs_up, "connection_error", "RemoteProtocolError: connection closed before the response was complete", 0.5),
         (trickles, "timeout", "DeadlineExceeded: attempt exceeded connect + read timeout", 1.5),
     ],
-    ids=["reset", "never-answers", "slower-than-timeout", "garbage", "closed-mid-body", "closed-no-response", "trickle"],
+    ids=["reset", "never-answers", "slower-than-timeout", "garbage", "closed-mid-body", "closed-no-response",
+         "trickle"],
 )
 async def test_hostile_receiver(peers, senders, handler, kind, error, max_seconds) -> None:
     peer, sender = await peers(handler), senders()  # building the sender (its TLS context) is not the POST

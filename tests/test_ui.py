@@ -152,7 +152,8 @@ def test_endpoint_health_and_a_recovery_job_in_the_browser(pg_engine, pg_url, tm
                 browser.get(f"{console}/endpoint?tenant=tenant-0&origin={origin}")
                 page = browser.page_source
                 assert int(tile(page, "attempts")) == truth["attempts"] and int(tile(page, "deaths")) == truth["deaths"]
-                assert float(tile(page, "success-rate")) == pytest.approx(truth["successes"] / truth["attempts"], abs=1e-4)
+                assert float(tile(page, "success-rate")) == pytest.approx(
+                    truth["successes"] / truth["attempts"], abs=1e-4)
                 assert tile(page, "breaker") == "closed"
                 for name, rank in (("p50", 0.5), ("p95", 0.95)):  # the histogram's estimate, in the true value's bucket
                     true_value = truth["timed"][math.ceil(rank * len(truth["timed"])) - 1]  # nearest rank

@@ -68,13 +68,15 @@ def test_health_strip_and_charts_carry_the_database_numbers(pg_engine, console, 
     with pg_engine.connect() as conn:
         backlog = conn.execute(select(func.count()).select_from(messages)
                                .where(messages.c.state.in_(("pending", "in_flight")))).scalar_one()
-        oldest = conn.execute(select(func.min(messages.c.next_attempt_at)).where(messages.c.state == "pending")).scalar()
+        oldest = conn.execute(select(func.min(messages.c.next_attempt_at))
+                              .where(messages.c.state == "pending")).scalar()
         open_breakers = conn.execute(select(func.count()).select_from(breakers)
                                      .where(breakers.c.state != "closed")).scalar_one()
     recent = tally(rows, history.now - QUIET_TO, history.now + 3600)
     strip = health_values(page)
     assert int(strip["backlog"]) == backlog > 0
-    assert history.now - oldest <= float(strip["oldest-due"]) <= history.now - oldest + 90 and oldest < history.now - DUE_AGO
+    assert (history.now - oldest <= float(strip["oldest-due"]) <= history.now - oldest + 90
+            and oldest < history.now - DUE_AGO)
     # The five whole minutes before the current one and the current one so far: 300 to 360 s.
     assert recent.delivered * 60 / 360 - 0.05 <= float(strip["delivery-rate"]) <= recent.delivered * 60 / 300 + 0.05
     assert recent.delivered > 0
@@ -159,7 +161,8 @@ def test_pages_walk_every_message_and_the_dry_run_lists_them(pg_engine, console,
     assert sorted(seen) == sorted(every) and len(every) > 120 and pages == -(-len(every) // 50)
     assert f"{len(every):,} messages match" in client.get("/messages").text
     dry = client.post("/replay", data={"csrf": csrf, "state": "dead", "reason": "gone"})
-    listed = [int(i) for i in re.findall(r'<td class="num"><a href="/messages/(\d+)">', dry.text.split("replay-list")[1])]
+    listed = [int(i) for i in re.findall(r'<td class="num"><a href="/messages/(\d+)">',
+                                         dry.text.split("replay-list")[1])]
     confirming = [int(i) for i in re.findall(r'name="id" value="(\d+)"', dry.text)]
     words = re.search(r"Refused \d+ message\(s\), past its retry horizon: ([\d, ]+)\.", dry.text)
     refused = [int(i) for i in words.group(1).split(", ")]

@@ -75,7 +75,8 @@ async def test_endpoint_health_shows_what_the_daemons_recorded(engine, console):
     overview = client.get("/").text
 
     def listed(origin: str) -> str | None:  # the success rate an overview row carries
-        match = re.search(r'<td class="num" data-value="([\d.]*)">', overview.split(f">{origin}</a>")[1].split("</tr>")[0])
+        match = re.search(r'<td class="num" data-value="([\d.]*)">',
+                          overview.split(f">{origin}</a>")[1].split("</tr>")[0])
         return match.group(1) if match else None
 
     assert listed(origin) == f"{successes / len(RECORDED):.4f}" and listed(ENDPOINTS[1][1]) == "1.0000"
@@ -115,7 +116,8 @@ def test_a_recovery_job_is_counted_started_paused_resumed_and_cancelled(engine, 
     assert "Job paused" in act("pause") and job_state(engine) == [("paused", matched)]
     assert "Job resumed" in act("resume") and job_state(engine) == [("running", matched)]
     asked = act("cancel")
-    assert 'id="confirm-cancel-button"' in asked and job_state(engine) == [("running", matched)]  # asking changes nothing
+    assert 'id="confirm-cancel-button"' in asked and job_state(engine) == [
+        ("running", matched)]  # asking changes nothing
     assert "Job cancelled" in act("cancel", confirm="yes") and job_state(engine) == [("cancelled", matched)]
     assert "Nothing changed: the job had already moved" in act("resume")
     listed = client.get("/jobs").text

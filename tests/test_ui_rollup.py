@@ -69,7 +69,8 @@ async def test_the_charts_and_rates_equal_the_attempt_rows_after_a_daemon_run(en
     try:
         async with aengine.connect() as conn:
             now = await db_now(conn)
-            for scope in (Scope(), Scope(tenant="bad"), Scope(tenant="good", origin=origin), Scope(tenant="hung"), Scope(tenant="late")):
+            for scope in (Scope(), Scope(tenant="bad"), Scope(tenant="good", origin=origin), Scope(tenant="hung"),
+                          Scope(tenant="late")):
                 for window in (HOUR, DAY):
                     drawn = await series(conn, window, scope, now)
                     for b in drawn.buckets:

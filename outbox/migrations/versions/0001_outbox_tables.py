@@ -109,7 +109,8 @@ def upgrade() -> None:
         sa.Column("last_status", sa.Integer),
         sa.Column("last_error", sa.Text),
         sa.Column("finished_at", _Epoch),
-        sa.CheckConstraint("state IN ('pending', 'in_flight', 'delivered', 'dead')", name="outbox_messages_state_check"),
+        sa.CheckConstraint("state IN ('pending', 'in_flight', 'delivered', 'dead')",
+                           name="outbox_messages_state_check"),
         sa.CheckConstraint(
             "dead_reason IS NULL OR dead_reason IN ('expired', 'conflict', 'signature_rejected', 'gone', "
             "'rejected', 'invalid', 'blocked')",
