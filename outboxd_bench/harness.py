@@ -123,6 +123,7 @@ class Bench:
         self.sample_body = b""
         self.ca_file: Path | None = None
         self.owns_tables = False  # set once preflight found the outbox empty: only then is truncating ours
+        self.checkpoints = True  # False once the server refused a CHECKPOINT (the role may not)
 
     # ----------------------------------------------------------------- setup / teardown
 
@@ -169,10 +170,33 @@ class Bench:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def truncate(self) -> None:
+        """Empty the outbox and settle the server: each phase starts as if it ran first.
+
+        The checkpoint writes the previous phase's pages now: a checkpoint the throughput
+        phases' ~500 MB of WAL starts would otherwise run through the next phase's timing
+        (docs/performance.md, "How each figure is taken").
+        """
         from sqlalchemy import text
 
         with self.engine.begin() as conn:
             conn.execute(text(f"TRUNCATE {', '.join(OUTBOX_TABLES)} RESTART IDENTITY"))
+        self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """``CHECKPOINT``, when this role may (superuser or ``pg_checkpoint``); a refusal is
+        said once here and in the report, and the bench goes on."""
+        from sqlalchemy import text
+        from sqlalchemy.exc import DBAPIError
+
+        if not self.checkpoints:
+            return
+        try:
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.execute(text("CHECKPOINT"))
+        except DBAPIError as exc:
+            self.checkpoints = False
+            reason = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+            self.progress(f"CHECKPOINT refused ({reason}): phases may carry the writes of the ones before")
 
     @property
     def main(self) -> ReceiverProc:

@@ -110,6 +110,7 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
                 progress(f"{key} failed: {report['errors'][key]}")
     finally:
         bench.teardown()
+    report["checkpoints_between_phases"] = bench.checkpoints
     if not report["errors"] and not options.only:
         report["figures"] = figures(report)
         report["targets"] = targets(report)

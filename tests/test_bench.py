@@ -85,6 +85,7 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
     assert phases["endpoints"]["drain_many"]["endpoints_delivered_to"] > 10  # the backlog really spans them
     assert isinstance(phases["scale"]["empty"]["uses_due_idx"], bool)
     assert report["receiver"]["verifies_signatures"] is False
+    assert report["checkpoints_between_phases"] is True  # each phase began on a settled server
     assert {t["target"] for t in report["targets"]} and all(isinstance(t["pass"], bool) for t in report["targets"])
     # The bench leaves the outbox empty behind it.
     with psycopg.connect(make_url(bench_url).set(drivername="postgresql").render_as_string(False)) as conn:
@@ -129,3 +130,28 @@ def test_the_recovery_phase_reports_live_p99_without_and_with_a_replay_job(bench
     assert phase["p99_ratio"] == round(phase["with_job"]["p99_ms"] / phase["without_job"]["p99_ms"], 3)
     assert phase["job"]["messages"] == 400 and phase["job"]["rate_per_s"] == 50  # the default rate
     assert 0 < phase["job"]["replayed_during_run"] <= 400
+
+
+def test_a_role_that_may_not_checkpoint_still_benches_and_is_told_why(
+        pg_server_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Phases begin with a CHECKPOINT (the previous phase's writes flushed before this one is
+    timed); a role that may not run one gets its figures and one warning, not a failure."""
+    name = f"outboxd_bench_nocp_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server_url, autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{name}" LOGIN')
+        conn.execute(f'CREATE DATABASE "{name}" OWNER "{name}"')
+    url = make_url(pg_server_url).set(database=name, username=name).render_as_string(hide_password=False)
+    try:
+        engine = make_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        settings = load_settings(env={"OUTBOX_DATABASE_URL": url})
+        assert run_bench(settings, _args(only="latency_healthy", json=False)) == 0
+        captured = capsys.readouterr()
+        assert "all healthy" in captured.out
+        assert "WARNING: the server refused CHECKPOINT" in captured.out
+        assert captured.err.count("CHECKPOINT refused") == 1
+    finally:
+        with psycopg.connect(pg_server_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'DROP ROLE IF EXISTS "{name}"')
