@@ -17,12 +17,12 @@ from hypothesis import settings as hypothesis_settings
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
-from outbox.claim_sql import DUE_TABLES
 from outbox.config import Settings, load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from tests import pgserver, procs, ts_sdk
 from tests.pgcluster import PgCluster
+from tests.tables import EMPTIED_TABLES
 
 # `pytest --hypothesis-profile=slow`: property tests that size themselves from the profile
 # (tests/test_url_fidelity.py) run 5,000 examples instead of their default.
@@ -106,15 +106,6 @@ def ts_sdk_version() -> str:
     return ts_sdk.install()
 
 
-# Every table a test may write, in an order that empties them all: outbox_breakers' delete
-# trigger records an arrival, so the due tables come after it.
-EMPTIED_TABLES = ("outbox_messages", "outbox_attempts", "outbox_sequences", "outbox_breakers",
-                  "outbox_breaker_transitions", "outbox_signing_keys", "outbox_subscribers", "outbox_encryption_keys",
-                  "outbox_encryption_readers", "outbox_endpoint_stats", "outbox_operator_events", "outbox_jobs",
-                  "outbox_job_items", *DUE_TABLES)
-# Kept as the migrations leave them: the keyring's one version row, the schema's compatibility
-# rows and its revision (tests/test_migrate.py checks that every table is in one list or the other).
-KEPT_TABLES = ("outbox_keyring", "outbox_schema_compat", "outbox_alembic_version")
 # Above this many rows deleted from a table, it is vacuumed as well, so that the next test
 # does not read what this one left dead.
 _VACUUM_AFTER_ROWS = 1_000

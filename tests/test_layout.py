@@ -75,13 +75,14 @@ def test_no_test_module_imports_another():
     """What several test modules share lives in a support module (tests/ledger.py,
     tests/wire_peers.py, ...). Imported from another test module, a helper hides where it is
     shared, a ``test_`` function imported with it runs twice, and an autouse fixture imported
-    with it applies itself to the importer's tests."""
+    with it applies itself to the importer's tests. ``conftest.py`` is pytest's to load, not
+    a module to import from (pytest may load it under another name, running it twice)."""
     importing = {}
     for path in sorted((ROOT / "tests").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             modules = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
                        else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            taken = [m for m in modules if m.startswith("tests.test_")]
+            taken = [m for m in modules if m.startswith("tests.test_") or m == "tests.conftest"]
             if taken:
                 importing[path.name] = taken
     assert importing == {}

@@ -2,7 +2,7 @@ from sqlalchemy import inspect, text
 
 from outbox.db import make_engine
 from outbox.migrate import current_revision, head_revision, upgrade
-from tests.conftest import EMPTIED_TABLES, KEPT_TABLES
+from tests.tables import EMPTIED_TABLES, KEPT_TABLES
 
 
 def test_migrate_creates_prefixed_tables_on_both(engine):
