@@ -21,6 +21,7 @@ from outbox.config import Settings, load_settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from tests import pgserver, procs, ts_sdk
+from tests.ledger import THROWAWAY_KEY
 from tests.pgcluster import PgCluster
 from tests.tables import EMPTIED_TABLES
 
@@ -211,7 +212,7 @@ def settings() -> Settings:
         env={
             "OUTBOX_ALLOW_HTTP": "true",
             "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8,::1/128",
-            "OUTBOX_ENCRYPTION_KEY": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+            "OUTBOX_ENCRYPTION_KEY": THROWAWAY_KEY,
         }
     )
 

@@ -19,8 +19,17 @@ import outbox
 from outbox.schema import attempts, messages
 from tests import procs
 
-# A producer that may enqueue to loopback receivers over plain HTTP.
-PRODUCER = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
+# A throwaway body-encryption key (32 bytes, base64), for tests that seal at rest.
+THROWAWAY_KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
+
+
+def loopback_producer(**env: str) -> outbox.Settings:
+    """A seller's settings that may enqueue to the tests' loopback receivers over plain HTTP,
+    with ``env``'s other ``OUTBOX_*`` variables (``OUTBOX_ENCRYPTION_KEY=...``)."""
+    return outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8", **env})
+
+
+PRODUCER = loopback_producer()
 
 
 def message_key(run: str, n: int) -> str:

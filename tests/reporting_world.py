@@ -22,14 +22,13 @@ from adcp.reporting.ledger.notification_models import (
 from adcp.reporting.outbox import InMemoryReportingOutbox, ReportingEnvelopeCipher, ReportingNotificationSubscription
 from outbox.schema import messages
 from tests import procs
+from tests.ledger import THROWAWAY_KEY, loopback_producer
 
 ACCOUNT = "acct_glow"
 TYPES = ("reporting.delivery_ready", "reporting.ledger_changed", "reporting.status_changed")
 LEDGER = "reporting.ledger_changed"
-KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                     "OUTBOX_SELLER_AGENT_URL": "https://seller.example/adcp",
-                                     "OUTBOX_ENCRYPTION_KEY": KEY})
+KEY = THROWAWAY_KEY
+SETTINGS = loopback_producer(OUTBOX_SELLER_AGENT_URL="https://seller.example/adcp", OUTBOX_ENCRYPTION_KEY=KEY)
 START = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
 
 

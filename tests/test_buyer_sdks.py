@@ -28,6 +28,7 @@ from outboxd_receiver.verifiers import adcp_verifier
 from supervisor.wire.signing import ADCP_USE_REQUEST, ADCP_USE_WEBHOOK, ALG_ED25519, ALG_ES256, DEFAULT_ADCP_USE
 from supervisor.wire.signing import SigningKey, signature_headers
 from tests import procs, ts_sdk
+from tests.ledger import PRODUCER
 
 URL = "https://buyer.example/hooks/op_1?tenant=7"
 BODY = b'{"idempotency_key":"whk_0123456789abcdef","task_id":"t1","status":"completed"}'
@@ -108,13 +109,12 @@ def _published_jwks(env: dict[str, str]) -> dict[str, Any]:
 def test_every_webhook_of_a_default_run_verifies_under_both_sdks(pg_engine, pg_url, tmp_path: Path, capture,
                                                                  ts_sdk_version: str) -> None:
     base, seen = capture
-    settings = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
     with pg_engine.begin() as conn:
         for i in range(MESSAGES):
             path = f"/retry/{i}" if i % RETRIED_EVERY == 0 else f"/ok/{i}"
             outbox.enqueue_task_webhook(
                 conn, tenant_id=f"tenant-{i % 3}", task_id=f"task_{i}", task_type="create_media_buy",
-                status="completed", result={"media_buy_id": f"mb_{i}"}, settings=settings,
+                status="completed", result={"media_buy_id": f"mb_{i}"}, settings=PRODUCER,
                 push_notification_config={"url": f"{base}{path}?n={i}", "operation_id": f"op_{i}"})
     key, _ = procs.make_key(tmp_path)  # a fresh key, registered by the daemon with the default purpose
     env = procs.daemon_env(pg_url, key)

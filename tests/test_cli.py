@@ -19,6 +19,7 @@ from outbox.schema import DEAD_REASONS, breakers
 from supervisor.cli import build_parser, main
 from tests import procs
 from tests.cli_calls import cli, dead_with_an_attempt, one_line, url_of
+from tests.ledger import THROWAWAY_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -134,7 +135,7 @@ def test_version_matches_the_project(capsys):
 
 
 def test_config_prints_the_effective_settings_with_secrets_masked(tmp_path, capsys, monkeypatch):
-    key = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
+    key = THROWAWAY_KEY
     monkeypatch.setenv("OUTBOX_ENCRYPTION_KEY", key)
     monkeypatch.setenv("OUTBOX_UI_TOKEN", "ui-token-SENTINEL")
     monkeypatch.setenv("OUTBOX_CONCURRENCY", "7")

@@ -32,6 +32,7 @@ from supervisor.cycle.clock import MAX_OFFSET_SECONDS, ClockOffsetError, Databas
 from supervisor.cycle.outage import OutageGuard
 from supervisor.wire.signing import ALG_ED25519, SigningKey, signature_headers
 from tests import procs
+from tests.ledger import PRODUCER
 
 KEY = SigningKey("clock-key", ALG_ED25519, Ed25519PrivateKey.generate())
 URL = "https://buyer.example/hooks"
@@ -150,12 +151,11 @@ def test_daemon_signs_with_database_time_and_refuses_a_clock_too_far_off(skewed_
     set_ahead(BEHIND)  # within tolerance: the daemon runs, and signs 30 s "behind" this host
     pem, jwks = procs.make_key(tmp_path)
     engine = make_engine(url)
-    settings = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
     # The RFC 9421 library verifier: it starts in a second where the SDK's import takes
     # tens of seconds on a loaded machine; the SDK verifies the same path in the tests above.
     with procs.receiver(tmp_path, jwks, verifier="library") as (port, log):
         with engine.begin() as conn:
-            outbox.enqueue(conn, tenant_id="t", url=f"http://127.0.0.1:{port}/ok", settings=settings,
+            outbox.enqueue(conn, tenant_id="t", url=f"http://127.0.0.1:{port}/ok", settings=PRODUCER,
                            payload={"idempotency_key": "whk_clock_e2e_0001", "task_id": "task_1"})
             # The column default calls pg_catalog.now(), not the skewed one: make the message
             # due by the database time the daemon reads, as on a server with one clock.

@@ -18,10 +18,9 @@ import outbox
 from outbox.config import Settings
 from outbox.schema import attempts, breaker_transitions, breakers, messages
 from tests import procs
-from tests.ledger import enqueue_many, finished, leased_by, states
+from tests.ledger import PRODUCER, enqueue_many, finished, leased_by, states
 
 pytestmark = pytest.mark.e2e
-PRODUCER = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 
 
 def test_json_lines_leave_a_half_written_line_for_the_next_read(tmp_path):

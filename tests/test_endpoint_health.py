@@ -18,8 +18,8 @@ from supervisor.observe.health_stats import Recorded, bucket_of, endpoint_health
 from supervisor.cycle.maintenance import sample_gauges
 from supervisor.observe.metrics import Metrics
 from tests import procs
+from tests.ledger import PRODUCER
 
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 
 
 @given(st.lists(st.integers(min_value=0, max_value=60_000), min_size=1, max_size=300),
@@ -122,7 +122,7 @@ def test_endpoints_shows_what_the_attempt_log_holds(pg_engine, pg_url, tmp_path,
                 for i in range(n):
                     outbox.enqueue_task_webhook(
                         conn, tenant_id=tenant, task_id=f"{tenant}{i}", task_type="create_media_buy",
-                        status="completed", settings=SETTINGS,
+                        status="completed", settings=PRODUCER,
                         push_notification_config={"url": f"{base}{path}?i={i}", "operation_id": "op"})
         daemon = procs.start_daemon(env, tmp_path / "d.log")
         try:

@@ -23,6 +23,7 @@ from outbox.identity import stream_key
 from outbox.schema import messages, sequences
 from tests import stored
 from tests.adcp_schema import assert_valid, version_envelope
+from tests.ledger import THROWAWAY_KEY
 
 PNC = {"url": "https://buyer.example.com/hooks/adcp?channel=1", "operation_id": "op_123",
        "token": "tok_abcdefghijklmnop"}
@@ -282,7 +283,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize(("field", "overrides"), BAD_INPUTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_INPUTS)])
 def test_bad_input_raises_the_documented_error_and_writes_nothing(engine, settings, field, overrides):
-    strict = outbox.load_settings(env={"OUTBOX_ENCRYPTION_KEY": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="})
+    strict = outbox.load_settings(env={"OUTBOX_ENCRYPTION_KEY": THROWAWAY_KEY})
     with Session(engine) as session, session.begin():
         with pytest.raises(outbox.OutboxValidationError) as caught:
             _task(session, strict, **overrides)

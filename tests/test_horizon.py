@@ -29,8 +29,8 @@ from supervisor.cycle.attempt import attempt
 from supervisor.keys.keyring_cache import CachedKeyring
 from supervisor.wire.transport import HttpSender
 from tests import procs
+from tests.ledger import PRODUCER
 
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 SLOW_MS = 8000  # each request takes this long: the second round waits for it (its lease allows 9 s)
 LEFT_SECONDS = 4.0  # the horizon ends this long after enqueue (created_at moved back)
 
@@ -42,12 +42,12 @@ def _enqueue_near_horizon(engine, url: str, count: int) -> list[str]:
         for i in range(count):
             keys.append(outbox.enqueue_task_webhook(
                 conn, tenant_id="acme", task_id=f"task_{i}", task_type="create_media_buy", status="completed",
-                result={"media_buy_id": f"mb_{i}"}, settings=SETTINGS,
+                result={"media_buy_id": f"mb_{i}"}, settings=PRODUCER,
                 push_notification_config={"url": f"{url}?n={i}", "operation_id": f"op_{i}",
                                           "token": "horizon-token-0123456789"}).idempotency_key)
         conn.execute(text("UPDATE outbox_messages SET created_at = extract(epoch from now()) + :left"
                           " - COALESCE(horizon_seconds, :horizon)"),
-                     {"left": LEFT_SECONDS, "horizon": SETTINGS.retry_horizon_seconds})
+                     {"left": LEFT_SECONDS, "horizon": PRODUCER.retry_horizon_seconds})
     return keys
 
 

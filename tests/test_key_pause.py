@@ -17,9 +17,9 @@ from sqlalchemy import func, select
 import outbox
 from outbox.schema import attempts, messages
 from tests import procs
+from tests.ledger import PRODUCER
 
 pytestmark = pytest.mark.e2e
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 PAUSED = "the default scope has no active signing key: its deliveries are paused"
 
 
@@ -28,7 +28,7 @@ def _enqueue(engine, url: str, count: int) -> None:
         for i in range(count):
             outbox.enqueue_task_webhook(
                 conn, tenant_id="acme", task_id=f"task_{i}", task_type="create_media_buy", status="completed",
-                result={"media_buy_id": f"mb_{i}"}, settings=SETTINGS,
+                result={"media_buy_id": f"mb_{i}"}, settings=PRODUCER,
                 push_notification_config={"url": f"{url}?n={i}", "operation_id": f"op_{i}",
                                           "token": "pause-token-0123456789"})
 

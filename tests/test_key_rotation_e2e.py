@@ -26,7 +26,7 @@ from outbox.keyset import stop_reporting
 from outbox.sealing import key_id
 from supervisor.cli import main as cli
 from tests import procs
-from tests.ledger import states
+from tests.ledger import loopback_producer, states
 
 pytestmark = pytest.mark.e2e
 ACCOUNT = "acct_rotation"
@@ -121,8 +121,7 @@ def encryption_status(monkeypatch, capsys, url: str, keys: dict[str, str]) -> di
 
 
 def settings_of(keys: dict[str, str]) -> outbox.Settings:
-    return outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                     "OUTBOX_SELLER_AGENT_URL": AGENT, **keys})
+    return loopback_producer(OUTBOX_SELLER_AGENT_URL=AGENT, **keys)
 
 
 def register_subscribers(engine, base: str, settings: outbox.Settings) -> None:

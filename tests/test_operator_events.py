@@ -16,6 +16,7 @@ from outbox.schema import breaker_transitions, messages, operator_events
 from outbox.store import db_now
 from supervisor.observe import events
 from tests import procs
+from tests.ledger import loopback_producer
 
 RECEIVED: list[dict] = []
 
@@ -30,8 +31,7 @@ async def broken(event: dict) -> None:
 
 
 def _settings(**extra: str):
-    return outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                     "OUTBOX_OPERATOR_EVENTS_URL": "http://127.0.0.1:9/ops", **extra})
+    return loopback_producer(OUTBOX_OPERATOR_EVENTS_URL="http://127.0.0.1:9/ops", **extra)
 
 
 async def test_one_event_per_change_counted_per_window_and_published_once(engine):

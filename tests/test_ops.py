@@ -17,13 +17,12 @@ from outbox.schema import attempts, breakers, messages
 from supervisor.cli import main
 from supervisor.wire.signing import load_signing_key
 from tests import procs
-from tests.ledger import enqueue_many, finished, PRODUCER
+from tests.ledger import PRODUCER, THROWAWAY_KEY, enqueue_many, finished, loopback_producer
 
 pytestmark = pytest.mark.e2e
 HMAC_SECRET = "hmac-secret-SENTINEL-0123456789abcdef"
 BEARER = "bearer-token-SENTINEL-0123456789abcdef"
 BUYER_TOKEN = "buyer-token-SENTINEL-42"
-ENC_KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
 
 
 def cli(capsys, monkeypatch, url: str, *args: str) -> tuple[int, str, str]:
@@ -116,8 +115,7 @@ def test_keys_generate(tmp_path, capsys):
 def test_metrics_health_and_no_secret_anywhere(pg_engine, pg_url, tmp_path):
     key, jwks = procs.make_key(tmp_path)
     metrics_port = procs.free_port()
-    settings = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                         "OUTBOX_ENCRYPTION_KEY": ENC_KEY})
+    settings = loopback_producer(OUTBOX_ENCRYPTION_KEY=THROWAWAY_KEY)
     with procs.receiver(tmp_path, jwks) as (port, log):
         base = f"http://127.0.0.1:{port}"
         with pg_engine.begin() as conn:
@@ -127,7 +125,7 @@ def test_metrics_health_and_no_secret_anywhere(pg_engine, pg_url, tmp_path):
                           "token": BUYER_TOKEN, **({"authentication": auth} if auth else {})}
                 outbox.enqueue_task_webhook(conn, tenant_id="t", push_notification_config=config, task_id=f"t{i}",
                                             task_type="create_media_buy", status="completed", settings=settings)
-        env = procs.daemon_env(pg_url, key, metrics_addr=f"127.0.0.1:{metrics_port}", encryption_key=ENC_KEY)
+        env = procs.daemon_env(pg_url, key, metrics_addr=f"127.0.0.1:{metrics_port}", encryption_key=THROWAWAY_KEY)
         daemon = procs.start_daemon(env, tmp_path / "d.log")
         try:
             assert procs.wait_until(lambda: finished(pg_engine, 3), 30)

@@ -19,13 +19,12 @@ from sqlalchemy import select, text
 import outbox
 from outbox.schema import messages, subscribers
 from tests import procs
+from tests.ledger import THROWAWAY_KEY, loopback_producer
 
 pytestmark = pytest.mark.e2e
 ACCOUNT = "acct_late"
-ENC_KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                     "OUTBOX_SELLER_AGENT_URL": "https://seller.example/adcp",
-                                     "OUTBOX_ENCRYPTION_KEY": ENC_KEY})
+SETTINGS = loopback_producer(OUTBOX_SELLER_AGENT_URL="https://seller.example/adcp",
+                             OUTBOX_ENCRYPTION_KEY=THROWAWAY_KEY)
 
 
 def _register_and_fire(engine, url: str, n: int) -> tuple[outbox.Subscriber, int]:
@@ -67,7 +66,7 @@ def test_a_challenge_past_its_horizon_fails_the_proof_visibly_and_a_resend_prove
             conn.execute(text("UPDATE outbox_messages SET retry_until = extract(epoch from now()) - 1 WHERE id = :id"),
                          {"id": subscriber.challenge_message_id})
         env = procs.daemon_env(pg_url, key, metrics_addr=f"127.0.0.1:{metrics_port}",
-                               seller_agent_url=SETTINGS.seller_agent_url, encryption_key=ENC_KEY)
+                               seller_agent_url=SETTINGS.seller_agent_url, encryption_key=THROWAWAY_KEY)
         daemon = procs.start_daemon(env, tmp_path / "d.log")
         try:
             assert procs.wait_until(lambda: _subscriber_state(pg_engine) != "pending_proof", 60)

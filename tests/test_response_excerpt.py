@@ -28,6 +28,7 @@ from outbox.schema import attempts
 from supervisor.wire.http1 import ERROR_BODY_KEPT
 from supervisor.wire.transport import HttpSender
 from tests import procs
+from tests.ledger import THROWAWAY_KEY, loopback_producer
 from tests.console_driver import console, signed_in  # noqa: F401 (fixture)
 
 BEARER = "sk_live_4f9a8b7c6d5e4f3a2b1c0d"
@@ -36,9 +37,7 @@ MARKER = "RECEIVER-SAYS-DOWN"
 HOSTILE = (b"\x00\x1b[31m<script>alert(1)</script>\r\nAuthorization: Bearer " + BEARER.encode()
            + b"\r\n\x7f\xc2\x85\xe2\x80\xae {\"password\": \"" + PASSWORD.encode() + b"\"} " + MARKER.encode()
            + b" " + b"x" * 10_240)
-KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="  # a throwaway body-encryption key
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                     "OUTBOX_ENCRYPTION_KEY": KEY})
+SETTINGS = loopback_producer(OUTBOX_ENCRYPTION_KEY=THROWAWAY_KEY)
 UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -153,7 +152,7 @@ def test_a_daemon_records_the_masked_excerpt_and_only_the_operator_sees_it(pg_en
                             payload={"idempotency_key": "whk_excerpt_up_000001"}, settings=SETTINGS)
     pem, _ = procs.make_key(tmp_path)
     log = tmp_path / "daemon.log"
-    env = procs.daemon_env(pg_url, pem, encryption_key=KEY)
+    env = procs.daemon_env(pg_url, pem, encryption_key=THROWAWAY_KEY)
     daemon = procs.start_daemon(env, log)
 
     def recorded() -> list:

@@ -15,11 +15,12 @@ from sqlalchemy.engine import make_url
 
 import outbox
 from outbox.sealing import plaintext
-from outbox.config import ConfigurationError, load_settings
+from outbox.config import ConfigurationError
 from outbox.schema import messages
 from outbox.sealing import KeyUnavailable, SealError, key_id
 from supervisor.cycle.attempt import opened
 from tests import stored
+from tests.ledger import loopback_producer
 
 TOKEN = "buyer-token-PLAINTEXT-canary-0042"
 CONTEXT_SECRET = TOKEN[::-1]  # what enqueue_all_kinds puts in the (buyer-private) context
@@ -32,12 +33,12 @@ def new_key() -> str:
 
 
 def sealing_settings(active: str | None, *older: str) -> outbox.Settings:
-    env = {"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"}
+    env: dict[str, str] = {}
     if active:
         env["OUTBOX_ENCRYPTION_KEY"] = active
     if older:
         env["OUTBOX_ENCRYPTION_OLD_KEYS"] = ",".join(older)
-    return load_settings(env=env)
+    return loopback_producer(**env)
 
 
 def enqueue_all_kinds(engine, settings, token: str = TOKEN) -> list[int]:

@@ -13,11 +13,10 @@ import pytest
 from sqlalchemy import select
 
 import outbox
-from outbox.config import load_settings
 from outbox.schema import messages
 from supervisor.cli import main as cli
 from tests import procs, stored
-from tests.ledger import finished, states
+from tests.ledger import finished, loopback_producer, states
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
@@ -28,8 +27,7 @@ def new_key() -> str:
 
 
 def producer_settings(active: str) -> outbox.Settings:
-    return load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                              "OUTBOX_ENCRYPTION_KEY": active})
+    return loopback_producer(OUTBOX_ENCRYPTION_KEY=active)
 
 
 def enqueue(engine, settings, base: str, path: str, i: int) -> int:

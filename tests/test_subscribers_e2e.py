@@ -18,14 +18,14 @@ from sqlalchemy import select
 import outbox
 from outbox.schema import attempts, messages, subscribers
 from tests import procs
+from tests.ledger import THROWAWAY_KEY, loopback_producer
 from tests.adcp_schema import assert_valid
 
 pytestmark = pytest.mark.e2e
 ACCOUNT = "acct_glow"
 PRINCIPAL = "buyer-1"
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8",
-                                     "OUTBOX_SELLER_AGENT_URL": "https://seller.example/adcp",
-                                     "OUTBOX_ENCRYPTION_KEY": "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="})
+SETTINGS = loopback_producer(OUTBOX_SELLER_AGENT_URL="https://seller.example/adcp",
+                             OUTBOX_ENCRYPTION_KEY=THROWAWAY_KEY)
 REPORT = {"notification_type": "scheduled", "reporting_period": {"start": "2026-12-01T00:00:00Z",
                                                                   "end": "2026-12-01T01:00:00Z"},
           "currency": "USD", "media_buy_deliveries": []}
@@ -103,7 +103,7 @@ def test_subscribers_proofs_fires_and_activity(db, request, tmp_path, verifying_
             conn, tenant_id="t1", reporting_webhook={"url": f"{base}/ok/other", "operation_id": "op_3"},
             media_buy_id="mb_1", result=REPORT, principal_id="buyer-2", settings=SETTINGS)
     env = procs.daemon_env(url, key, proof_max_attempts=3, seller_agent_url=SETTINGS.seller_agent_url,
-                           encryption_key="AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=")
+                           encryption_key=THROWAWAY_KEY)
     daemon = procs.start_daemon(env, tmp_path / "d.log")
     try:
         assert procs.wait_until(lambda: settled(engine, [m.idempotency_key for m in first]), 40), \

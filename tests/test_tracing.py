@@ -22,8 +22,7 @@ from sqlalchemy import select
 import outbox
 from outbox.schema import attempts, messages
 from tests import procs
-
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
+from tests.ledger import PRODUCER
 
 
 def _value(any_value: Any) -> Any:
@@ -90,15 +89,15 @@ def test_attempt_spans_are_children_of_the_sellers_span(pg_engine, pg_url, tmp_p
             with pg_engine.begin() as conn:
                 flaky = outbox.enqueue_task_webhook(
                     conn, tenant_id="acme", task_id="t1", task_type="create_media_buy", status="completed",
-                    settings=SETTINGS, push_notification_config={"url": f"{base}/flaky/2?secret=s3",
+                    settings=PRODUCER, push_notification_config={"url": f"{base}/flaky/2?secret=s3",
                                                                  "operation_id": "op"})
                 ok = outbox.enqueue_task_webhook(
                     conn, tenant_id="acme", task_id="t2", task_type="create_media_buy", status="completed",
-                    settings=SETTINGS, push_notification_config={"url": f"{base}/ok", "operation_id": "op"})
+                    settings=PRODUCER, push_notification_config={"url": f"{base}/ok", "operation_id": "op"})
         with pg_engine.begin() as conn:  # outside any span: no trace context, a root span
             untraced = outbox.enqueue_task_webhook(
                 conn, tenant_id="acme", task_id="t3", task_type="create_media_buy", status="completed",
-                settings=SETTINGS, push_notification_config={"url": f"{base}/ok", "operation_id": "op"})
+                settings=PRODUCER, push_notification_config={"url": f"{base}/ok", "operation_id": "op"})
         seller.shutdown()
         sellers = request_span.get_span_context()
         env = procs.daemon_env(pg_url, key, retry_base_seconds="0.2")

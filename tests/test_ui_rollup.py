@@ -17,8 +17,8 @@ from outbox.store import db_now
 from supervisor.ui.timeseries import DAY, HOUR, Scope, recent_totals, series
 from tests import procs
 from tests.console_history import attempt_rows, tally
+from tests.ledger import PRODUCER
 
-SETTINGS = outbox.load_settings(env={"OUTBOX_ALLOW_HTTP": "true", "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8"})
 # A short grace: a request still hanging at SIGTERM is abandoned, not timed out.
 DAEMON = {"shutdown_grace_seconds": 0.2, "retry_base_seconds": 0.2}
 
@@ -27,7 +27,7 @@ def _enqueue(engine, tenant: str, url: str, count: int, prefix: str) -> None:
     with engine.begin() as conn:
         for i in range(count):
             outbox.enqueue_task_webhook(conn, tenant_id=tenant, task_id=f"{prefix}{i}", task_type="create_media_buy",
-                                        status="completed", settings=SETTINGS,
+                                        status="completed", settings=PRODUCER,
                                         push_notification_config={"url": f"{url}?i={i}", "operation_id": "op"})
 
 
