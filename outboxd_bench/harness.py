@@ -172,9 +172,9 @@ class Bench:
     def truncate(self) -> None:
         """Empty the outbox and settle the server: each phase starts as if it ran first.
 
-        The checkpoint writes the previous phase's pages now: a checkpoint the throughput
-        phases' ~500 MB of WAL starts would otherwise run through the next phase's timing
-        (docs/performance.md, "How each figure is taken").
+        The checkpoint writes the pages the phases before dirtied now, not while this one is
+        timed (by its backends needing buffers, or by a checkpoint running through it:
+        docs/performance.md, "How each figure is taken").
         """
         from sqlalchemy import text
 
