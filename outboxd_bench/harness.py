@@ -172,9 +172,8 @@ class Bench:
     def truncate(self) -> None:
         """Empty the outbox and settle the server: each phase starts as if it ran first.
 
-        The checkpoint writes the pages the phases before dirtied now, not while this one is
-        timed (by its backends needing buffers, or by a checkpoint running through it:
-        docs/performance.md, "How each figure is taken").
+        The checkpoint puts what the phases before wrote on disk now, not while this one is
+        timed (docs/performance.md, "How each figure is taken").
         """
         from sqlalchemy import text
 
