@@ -41,12 +41,9 @@ class Bouncer:
 
 
 @contextmanager
-def pgbouncer(server_url: str, *, pool_size: int = 4, ignore_startup_parameters: str = "",
-              server_round_robin: bool = False) -> Iterator[Bouncer]:
+def pgbouncer(server_url: str, *, pool_size: int = 4, ignore_startup_parameters: str = "") -> Iterator[Bouncer]:
     """PgBouncer with ``pool_mode = transaction`` and ``pool_size`` server connections per database
-    (and, if given, the ``ignore_startup_parameters`` many installations set). By default it
-    hands a client the server connection used last (LIFO); ``server_round_robin`` takes
-    them in turn, so a client's consecutive transactions land on different ones."""
+    (and, if given, the ``ignore_startup_parameters`` many installations set)."""
     if not os.access(PGBOUNCER, os.X_OK):
         pytest.fail(f"PgBouncer is not installed ({PGBOUNCER}): apt-get install pgbouncer (.ci/run does)",
                     pytrace=False)
@@ -68,7 +65,6 @@ pool_mode = transaction
 default_pool_size = {pool_size}
 max_client_conn = 500
 ignore_startup_parameters = {ignore_startup_parameters}
-server_round_robin = {int(server_round_robin)}
 logfile = {directory / 'pgbouncer.log'}
 pidfile = {directory / 'pgbouncer.pid'}
 """)

@@ -46,7 +46,7 @@ from supervisor.cycle.reporting_handoff import run_handoff
 from supervisor.cycle.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
-from supervisor.cycle.pgdirect import connect_options
+from supervisor.cycle.pgdirect import check_each_connection, connect_options, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
 
 
@@ -78,15 +78,14 @@ async def _schema_check(engine: AsyncEngine) -> SchemaCheck:
 
 def daemon_engine(settings: Settings) -> AsyncEngine:
     """The daemon's SQLAlchemy engine: on PostgreSQL with the timeouts and keepalives of
-    :func:`supervisor.cycle.pgdirect.connect_options`, and a server-side statement timeout of the
-    outage deadline (a statement that long is an outage) unless behind a transaction pooler,
-    which refuses startup options (its own ``query_timeout`` serves there, docs/pooler.md)."""
+    :func:`supervisor.cycle.pgdirect.connect_options` and the startup options of
+    :func:`supervisor.cycle.pgdirect.startup_options`, checked on each new connection."""
     if not is_postgresql(settings.database_url):
         return make_async_engine(settings.database_url)
-    options = connect_options(settings)
-    if settings.database_pooler == "none":
-        options["options"] = f"-c statement_timeout={int(settings.database_outage_seconds * 1000)}"
-    return make_async_engine(settings.database_url, connect_args=options)
+    engine = make_async_engine(settings.database_url,
+                               connect_args={**connect_options(settings), **startup_options(settings)})
+    check_each_connection(engine, settings)
+    return engine
 
 
 class Daemon:

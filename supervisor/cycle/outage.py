@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from supervisor.cycle.pgdirect import StartupOptionsIgnored
+
 # SQLSTATEs of a prepared statement that is not where the client left it: 26000 "prepared
 # statement does not exist", 42P05 "already exists", and 08P01 (protocol violation) for a
 # bind that reached another client's statement of the same name.
@@ -29,6 +31,8 @@ _PREPARED_STATES = frozenset({"26000", "42P05"})
 POOLER_HINT = ("prepared statements through a transaction pooler; set OUTBOX_DATABASE_POOLER=transaction "
                "(docs/pooler.md)")
 STARTUP_HINT = ("a transaction pooler refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
+                "(docs/pooler.md)")
+DROPPED_HINT = ("a connection pooler dropped the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
                 "(docs/pooler.md)")
 
 
@@ -57,6 +61,8 @@ def diagnose(exc: BaseException) -> Cause:
         return Cause("prepared_statements", POOLER_HINT)
     if "unsupported startup parameter" in str(error):  # PgBouncer refuses libpq's "options"
         return Cause("pooler_startup", STARTUP_HINT)
+    if isinstance(error, StartupOptionsIgnored):  # ... or, told to ignore them, drops them
+        return Cause("pooler_startup", DROPPED_HINT)
     if isinstance(error, TimeoutError) or state == "57014":
         return Cause("timeout", "statement timed out (OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS)")
     if isinstance(error, OSError) or type(error).__name__ in ("OperationalError", "InterfaceError"):

@@ -19,7 +19,9 @@ and the outage guard counts it, where it would otherwise hang a claim or a flush
 The deadline is the client's because a transaction pooler refuses the ``options`` startup
 parameter and forbids ``SET`` between transactions. Behind a transaction pooler
 (``OUTBOX_DATABASE_POOLER=transaction``) these connections prepare no statements either
-(docs/pooler.md).
+(docs/pooler.md). Without the setting every new connection sends a server-side timeout as a
+startup option and reads it back (:func:`check_startup_options`): a pooler that dropped
+the option is named at once, before a prepared statement can run on the wrong connection.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import psycopg
 from psycopg import AsyncRawCursor
 from psycopg.rows import namedtuple_row
+from sqlalchemy import event
 from sqlalchemy.dialects.postgresql.psycopg import PGDialectAsync_psycopg
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -44,7 +47,8 @@ from sqlalchemy.sql import ClauseElement
 
 from outbox.config import Settings
 
-__all__ = ["DirectConnection", "DirectResult"]
+__all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "check_each_connection",
+           "check_startup_options", "connect_options", "startup_options"]
 
 Params = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 _PYFORMAT = re.compile(r"%\((\w+)\)s|%%")  # psycopg's named placeholders, and the escaped %
@@ -57,6 +61,56 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     """libpq options that bound connecting and a dead peer by the statement timeout."""
     timeout = settings.database_statement_timeout_seconds
     return {"connect_timeout": max(2, math.ceil(timeout)), **_KEEPALIVES, "tcp_user_timeout": int(timeout * 1000)}
+
+
+class StartupOptionsIgnored(Exception):
+    """A connection came up without the startup options it sent: something between the
+    daemon and PostgreSQL dropped them (a pooler's ``ignore_startup_parameters``), so this is
+    a pooled connection the daemon was not told about (docs/pooler.md)."""
+
+
+# What a connection without a pooler reads back of its ``options``: the server-side timeout.
+STARTUP_CHECK = "SELECT setting FROM pg_settings WHERE name = 'statement_timeout'"
+
+
+def startup_options(settings: Settings) -> dict[str, Any]:
+    """The ``options`` startup parameter of a connection straight to PostgreSQL: a server-side
+    statement timeout of the outage deadline (a statement that long is an outage). None
+    behind a transaction pooler, which refuses or drops it (its ``query_timeout`` serves)."""
+    if settings.database_pooler != "none":
+        return {}
+    return {"options": f"-c statement_timeout={_timeout_ms(settings)}"}
+
+
+def check_startup_options(setting: str | None, settings: Settings) -> None:
+    """Raise :class:`StartupOptionsIgnored` unless ``setting``, what :data:`STARTUP_CHECK`
+    read on a new connection, is the timeout :func:`startup_options` sent. Checked on every
+    new connection: a pooler that drops the options would otherwise go unnoticed until two
+    of the daemon's prepared statements met on the wrong server connection, which identical
+    daemons may not do for a long while."""
+    if settings.database_pooler == "none" and setting != str(_timeout_ms(settings)):
+        raise StartupOptionsIgnored(f"statement_timeout is {setting}, not the {_timeout_ms(settings)} ms the "
+                                    "connection's startup options set")
+
+
+def check_each_connection(engine: AsyncEngine, settings: Settings) -> None:
+    """Run :func:`check_startup_options` on each connection ``engine`` opens, before its use."""
+    if settings.database_pooler != "none":
+        return
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _check(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(STARTUP_CHECK)
+            row = cursor.fetchone()
+        finally:
+            cursor.close()
+        check_startup_options(row[0] if row else None, settings)
+
+
+def _timeout_ms(settings: Settings) -> int:
+    return int(settings.database_outage_seconds * 1000)
 
 
 class DirectResult:
@@ -106,7 +160,8 @@ class DirectConnection:
 
     def __init__(self, url: str, settings: Settings) -> None:
         self._url = libpq_url(url)
-        self._options = connect_options(settings)
+        self._settings = settings
+        self._options = {**connect_options(settings), **startup_options(settings)}
         if settings.database_pooler == "transaction":
             self._options["prepare_threshold"] = None  # another client's statements may share the name
         self._timeout = settings.database_statement_timeout_seconds
@@ -251,7 +306,14 @@ class DirectConnection:
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
             async with asyncio.timeout(self._timeout):
-                self._conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, **self._options)
+                conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, **self._options)
+                try:
+                    row = await (await conn.execute(STARTUP_CHECK)).fetchone()
+                    check_startup_options(row[0] if row else None, self._settings)
+                except BaseException:
+                    await conn.close()
+                    raise
+                self._conn = conn
         return self._conn
 
     def _compiled(self, statement: ClauseElement, params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:
