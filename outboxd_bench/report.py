@@ -248,7 +248,7 @@ def render_table(report: dict[str, Any]) -> str:
         lines += ["", "WARNING: other processes on this machine took CPU during: " +
                   ", ".join(f"{k} ({share:.0%} of the box)" for k, share in noisy.items()) +
                   "; throughput and latency there are understated: rerun on a quiet machine"]
-    if not report.get("checkpoints_between_phases", True):
+    if not report["checkpoints_between_phases"]:
         lines += ["", "WARNING: the server refused CHECKPOINT (a superuser or a member of pg_checkpoint may "
                   "run it): a phase may carry the previous one's writes; rerun as such a role"]
     for phase, error in report.get("errors", {}).items():

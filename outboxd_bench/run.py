@@ -100,6 +100,7 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
         for i, (key, title, phase) in enumerate(steps, 1):
             progress(f"[{i}/{len(steps)}] {title}")
             try:
+                bench.checkpoint()  # every phase starts on a settled server, as if it ran first
                 report["phases"][key] = phase()
             except PhaseError as exc:
                 report["errors"][key] = str(exc)
