@@ -88,14 +88,15 @@ def check_startup_options(setting: str | None, settings: Settings) -> None:
     new connection: a pooler that drops the options would otherwise go unnoticed until two
     of the daemon's prepared statements met on the wrong server connection, which identical
     daemons may not do for a long while."""
-    if settings.database_pooler == "none" and setting != str(_timeout_ms(settings)):
+    if setting != str(_timeout_ms(settings)):
         raise StartupOptionsIgnored(f"statement_timeout is {setting}, not the {_timeout_ms(settings)} ms the "
                                     "connection's startup options set")
 
 
 def check_each_connection(engine: AsyncEngine, settings: Settings) -> None:
-    """Run :func:`check_startup_options` on each connection ``engine`` opens, before its use."""
-    if settings.database_pooler != "none":
+    """Run :func:`check_startup_options` on each connection ``engine`` opens, before its use
+    (when :func:`startup_options` sends any)."""
+    if not startup_options(settings):
         return
 
     @event.listens_for(engine.sync_engine, "connect")
@@ -307,12 +308,13 @@ class DirectConnection:
         if self._conn is None or self._conn.closed:
             async with asyncio.timeout(self._timeout):
                 conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, **self._options)
-                try:
-                    row = await (await conn.execute(STARTUP_CHECK)).fetchone()
-                    check_startup_options(row[0] if row else None, self._settings)
-                except BaseException:
-                    await conn.close()
-                    raise
+                if "options" in self._options:
+                    try:
+                        row = await (await conn.execute(STARTUP_CHECK)).fetchone()
+                        check_startup_options(row[0] if row else None, self._settings)
+                    except BaseException:
+                        await conn.close()
+                        raise
                 self._conn = conn
         return self._conn
 
