@@ -81,7 +81,8 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "lease_seconds": _seconds(),
     "poll_interval_seconds": _seconds(),
     "shutdown_grace_seconds": _seconds(zero=True),
-    "database_outage_seconds": _seconds(),
+    # Sent to PostgreSQL as statement_timeout in whole milliseconds, a 32-bit integer there.
+    "database_outage_seconds": Bounds(0.001, 2_147_483.0, why=" (PostgreSQL's statement_timeout limit)"),
     "database_statement_timeout_seconds": Bounds(1.0, 3600.0),
     "retry_base_seconds": _seconds(),
     "retry_max_seconds": _seconds(),

@@ -43,6 +43,8 @@ def test_every_numeric_setting_has_bounds() -> None:
         ("sink_timeout_seconds", "inf"),
         ("poll_interval_seconds", "-inf"),
         ("database_outage_seconds", "1e400"),
+        ("database_outage_seconds", "2147484"),  # past PostgreSQL's statement_timeout: no connection would open
+        ("database_outage_seconds", "0.0001"),  # 0 ms would turn the server-side timeout off
         ("breaker_failure_threshold", "0"),
         ("breaker_success_threshold", "-3"),
         ("concurrency", "0"),
