@@ -146,29 +146,32 @@ def check_ledger(engine: Any, logs: Iterable[Path], *, never_delivered: Iterable
     return dict(summary)
 
 
+def task_webhook(conn: Any, task_id: str, url: str, *, tenant: str = "acme", settings: outbox.Settings = PRODUCER,
+                 token: str | None = "e2e-token-0123456789") -> outbox.EnqueuedMessage:
+    """Enqueue, in the caller's transaction, the one webhook shape delivery tests send: a
+    completed ``create_media_buy`` task ``task_id`` (result ``mb_<task_id>``) to ``url``."""
+    config = {"url": url, "operation_id": f"op_{task_id}", **({"token": token} if token else {})}
+    return outbox.enqueue_task_webhook(conn, tenant_id=tenant, task_id=task_id, task_type="create_media_buy",
+                                       status="completed", result={"media_buy_id": f"mb_{task_id}"},
+                                       settings=settings, push_notification_config=config)
+
+
 def enqueue_many(engine: Any, base: str, paths: list[str], *, tenants: int = 1, per_txn: int = 200) -> list[str]:
-    """Enqueue one terminal task webhook per path under ``base``, ``per_txn`` per seller
+    """Enqueue one :func:`task_webhook` per path under ``base``, ``per_txn`` per seller
     transaction, across ``tenants`` tenants in turn; their idempotency keys."""
     keys = []
     for start in range(0, len(paths), per_txn):
         with engine.begin() as conn:
-            for i, path in enumerate(paths[start:start + per_txn], start):
-                keys.append(outbox.enqueue_task_webhook(
-                    conn, tenant_id=f"tenant-{i % tenants}", task_id=f"task_{i}", task_type="create_media_buy",
-                    status="completed", result={"media_buy_id": f"mb_{i}"}, settings=PRODUCER,
-                    push_notification_config={"url": f"{base}{path}", "operation_id": f"op_{i}",
-                                              "token": "e2e-token-0123456789"}).idempotency_key)
+            keys += [task_webhook(conn, f"task_{i}", f"{base}{path}", tenant=f"tenant-{i % tenants}").idempotency_key
+                     for i, path in enumerate(paths[start:start + per_txn], start)]
     return keys
 
 
 def enqueue_tasks(engine: Any, tenant: str, url: str, n: int, start: int = 0) -> list[int]:
-    """Enqueue ``n`` terminal task webhooks for ``tenant`` to ``url`` in one seller transaction
+    """Enqueue ``n`` :func:`task_webhook` for ``tenant`` to ``url`` in one seller transaction
     (task ids ``<tenant><start>`` on); their message ids."""
     with engine.begin() as conn:
-        return [outbox.enqueue_task_webhook(
-            conn, tenant_id=tenant, task_id=f"{tenant}{i}", task_type="create_media_buy", status="completed",
-            settings=PRODUCER, push_notification_config={"url": url, "operation_id": "op"}).id
-            for i in range(start, start + n)]
+        return [task_webhook(conn, f"{tenant}{i}", url, tenant=tenant).id for i in range(start, start + n)]
 
 
 def states(engine: Any) -> collections.Counter[str]:

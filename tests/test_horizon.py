@@ -29,7 +29,7 @@ from supervisor.cycle.attempt import attempt
 from supervisor.keys.keyring_cache import CachedKeyring
 from supervisor.wire.transport import HttpSender
 from tests import procs
-from tests.ledger import PRODUCER
+from tests.ledger import PRODUCER, task_webhook
 
 SLOW_MS = 8000  # each request takes this long: the second round waits for it (its lease allows 9 s)
 LEFT_SECONDS = 4.0  # the horizon ends this long after enqueue (created_at moved back)
@@ -37,14 +37,8 @@ LEFT_SECONDS = 4.0  # the horizon ends this long after enqueue (created_at moved
 
 def _enqueue_near_horizon(engine, url: str, count: int) -> list[str]:
     """``count`` webhooks whose horizon (enqueue + horizon) ends ``LEFT_SECONDS`` from now."""
-    keys = []
     with engine.begin() as conn:
-        for i in range(count):
-            keys.append(outbox.enqueue_task_webhook(
-                conn, tenant_id="acme", task_id=f"task_{i}", task_type="create_media_buy", status="completed",
-                result={"media_buy_id": f"mb_{i}"}, settings=PRODUCER,
-                push_notification_config={"url": f"{url}?n={i}", "operation_id": f"op_{i}",
-                                          "token": "horizon-token-0123456789"}).idempotency_key)
+        keys = [task_webhook(conn, f"task_{i}", f"{url}?n={i}").idempotency_key for i in range(count)]
         conn.execute(text("UPDATE outbox_messages SET created_at = extract(epoch from now()) + :left"
                           " - COALESCE(horizon_seconds, :horizon)"),
                      {"left": LEFT_SECONDS, "horizon": PRODUCER.retry_horizon_seconds})

@@ -14,10 +14,9 @@ import urllib.request
 import pytest
 from sqlalchemy import func, select
 
-import outbox
 from outbox.schema import attempts, messages
 from tests import procs
-from tests.ledger import PRODUCER
+from tests.ledger import task_webhook
 
 pytestmark = pytest.mark.e2e
 PAUSED = "the default scope has no active signing key: its deliveries are paused"
@@ -26,11 +25,7 @@ PAUSED = "the default scope has no active signing key: its deliveries are paused
 def _enqueue(engine, url: str, count: int) -> None:
     with engine.begin() as conn:
         for i in range(count):
-            outbox.enqueue_task_webhook(
-                conn, tenant_id="acme", task_id=f"task_{i}", task_type="create_media_buy", status="completed",
-                result={"media_buy_id": f"mb_{i}"}, settings=PRODUCER,
-                push_notification_config={"url": f"{url}?n={i}", "operation_id": f"op_{i}",
-                                          "token": "pause-token-0123456789"})
+            task_webhook(conn, f"task_{i}", f"{url}?n={i}")
 
 
 def _rows(engine) -> list:

@@ -18,12 +18,11 @@ import pytest
 from adcp.signing import CachingRevocationChecker, FetchResult, StaticJwksResolver
 from sqlalchemy import select
 
-import outbox
 from outbox.schema import attempts, messages
 from supervisor.keys import keyring
 from supervisor.keys.keyring import KeyringError
 from tests import procs
-from tests.ledger import PRODUCER
+from tests.ledger import task_webhook
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
@@ -42,11 +41,7 @@ def kids(url: str) -> list[str]:
 
 def enqueue(engine, base: str, path: str, n: int, tenant: str = "acme") -> str:
     with engine.begin() as conn:
-        return outbox.enqueue_task_webhook(
-            conn, tenant_id=tenant, task_id=f"task_{n}", task_type="create_media_buy", status="completed",
-            result={"n": n}, settings=PRODUCER,
-            push_notification_config={"url": f"{base}{path}", "operation_id": f"op_{n}",
-                                      "token": "e2e-token-0123456789"}).idempotency_key
+        return task_webhook(conn, f"task_{n}", f"{base}{path}", tenant=tenant).idempotency_key
 
 
 def keyid(arrival: dict) -> str:

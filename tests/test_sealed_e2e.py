@@ -16,7 +16,7 @@ import outbox
 from outbox.schema import messages
 from supervisor.cli import main as cli
 from tests import procs, stored
-from tests.ledger import finished, loopback_producer, states
+from tests.ledger import finished, loopback_producer, states, task_webhook
 from tests.procs import free_port
 
 pytestmark = pytest.mark.e2e
@@ -32,11 +32,8 @@ def producer_settings(active: str) -> outbox.Settings:
 
 def enqueue(engine, settings, base: str, path: str, i: int) -> int:
     with engine.begin() as conn:
-        return outbox.enqueue_task_webhook(
-            conn, tenant_id="sealed", task_id=f"task_{i}", task_type="create_media_buy", status="completed",
-            result={"media_buy_id": f"mb_{i}"}, settings=settings,
-            push_notification_config={"url": f"{base}{path}", "operation_id": f"op_{i}",
-                                      "token": f"sealed-e2e-token-{i:06d}"}).id
+        return task_webhook(conn, f"task_{i}", f"{base}{path}", tenant="sealed", settings=settings,
+                            token=f"sealed-e2e-token-{i:06d}").id
 
 
 def sent_bytes(engine, message_id: int, settings) -> str:

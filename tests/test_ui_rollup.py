@@ -9,7 +9,6 @@ import pytest
 from alembic import command
 from sqlalchemy import func, inspect, select, text
 
-import outbox
 from outbox.db import make_async_engine
 from outbox.migrate import alembic_config, upgrade
 from outbox.schema import attempts, endpoint_stats, messages
@@ -17,7 +16,7 @@ from outbox.store import db_now
 from supervisor.ui.timeseries import DAY, HOUR, Scope, recent_totals, series
 from tests import procs
 from tests.console_history import attempt_rows, tally
-from tests.ledger import PRODUCER
+from tests.ledger import task_webhook
 
 # A short grace: a request still hanging at SIGTERM is abandoned, not timed out.
 DAEMON = {"shutdown_grace_seconds": 0.2, "retry_base_seconds": 0.2}
@@ -26,9 +25,7 @@ DAEMON = {"shutdown_grace_seconds": 0.2, "retry_base_seconds": 0.2}
 def _enqueue(engine, tenant: str, url: str, count: int, prefix: str) -> None:
     with engine.begin() as conn:
         for i in range(count):
-            outbox.enqueue_task_webhook(conn, tenant_id=tenant, task_id=f"{prefix}{i}", task_type="create_media_buy",
-                                        status="completed", settings=PRODUCER,
-                                        push_notification_config={"url": f"{url}?i={i}", "operation_id": "op"})
+            task_webhook(conn, f"{prefix}{i}", f"{url}?i={i}", tenant=tenant)
 
 
 def _count(engine, *where, table=attempts) -> int:
