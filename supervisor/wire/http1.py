@@ -35,6 +35,8 @@ from typing import cast
 
 import httptools
 
+from supervisor.wire.tls import tls_failure
+
 __all__ = ["ERROR_BODY_KEPT", "Http1Connection", "Response", "StaleConnection", "TransportFailure", "connect",
            "encode_request"]
 
@@ -102,34 +104,10 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_EXCHANGE_BYTES = 1024 * 1024
 
 
-# OpenSSL's X509_V_ERR_* codes, by what the operator has to fix. The library's own message
-# is never stored: for a name mismatch it quotes the host name.
-_CERTIFICATE_CAUSES = {
-    62: "TLS certificate name mismatch (not valid for this host)",  # HOSTNAME_MISMATCH
-    64: "TLS certificate name mismatch (not valid for this address)",  # IP_ADDRESS_MISMATCH
-    10: "TLS certificate expired",  # CERT_HAS_EXPIRED
-    9: "TLS certificate not yet valid",  # CERT_NOT_YET_VALID
-    **dict.fromkeys((2, 18, 19, 20, 21, 27), "TLS certificate from an unknown authority"),  # no trusted issuer
-    23: "TLS certificate revoked",  # CERT_REVOKED
-}
-_OPENSSL_REASON = re.compile(r"[A-Z0-9_]{1,64}")
-
-
-def _tls_hint(exc: ssl.SSLError, failed: str = "TLS error") -> str:
-    """Why TLS failed, named for the operator (docs/protocol.md "Attempt records")."""
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        code = exc.verify_code  # None from a platform verifier (truststore on macOS, Windows)
-        if not isinstance(code, int):
-            return "TLS certificate verification failed"
-        return _CERTIFICATE_CAUSES.get(code, f"TLS certificate verification failed (verify code {code})")
-    reason = exc.reason if isinstance(exc.reason, str) and _OPENSSL_REASON.fullmatch(exc.reason) else None
-    return f"{failed} ({reason})" if reason else failed
-
-
 def _hint(exc: BaseException | None, fallback: str) -> str:
     """What an OS or TLS exception says, in the fixed vocabulary (never its own text)."""
     if isinstance(exc, ssl.SSLError):
-        return _tls_hint(exc)
+        return tls_failure(exc)
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     if isinstance(exc, ConnectionResetError):
@@ -396,7 +374,7 @@ async def connect(address: str, port: int, *, ssl_context: ssl.SSLContext | None
         if not handshaking:
             hint = _hint(exc, "could not connect")
         elif isinstance(exc, ssl.SSLError):
-            hint = _tls_hint(exc, "TLS handshake failed")
+            hint = tls_failure(exc, "TLS handshake failed")
         else:  # the peer dropped the handshake
             hint = f"TLS handshake failed ({_hint(exc, 'connection lost')})"
         raise TransportFailure("connection_error", f"ConnectError: {hint}") from None

@@ -12,12 +12,15 @@ Operators expect the conventions of curl, requests and OpenSSL, so the order is:
    ``certifi`` bundle: the same roots everywhere, whatever the base image ships.
 
 The context is built once per process (per choice): building one costs tens of ms of CPU.
+A TLS failure is named for the operator from OpenSSL's codes (:func:`tls_failure`), never
+with the library's own text.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import ssl
 from collections.abc import Mapping
 
@@ -47,6 +50,19 @@ def tls_context(settings: Settings, env: Mapping[str, str] | None = None) -> ssl
                     env.get("SSL_CERT_FILE") or None, env.get("SSL_CERT_DIR") or None)
 
 
+def sender_context(settings: Settings, verify: ssl.SSLContext | str | None = None) -> ssl.SSLContext:
+    """The context an ``HttpSender`` connects with, built once: creating one per connection
+    costs milliseconds of CPU. ``None`` (the daemon): :func:`tls_context`; a context, or a CA
+    file or directory path, otherwise (tests)."""
+    if verify is None:
+        return tls_context(settings)
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if os.path.isdir(verify):
+        return ssl.create_default_context(capath=verify)
+    return ssl.create_default_context(cafile=verify)
+
+
 @functools.lru_cache(maxsize=8)
 def _context(ca_file: str | None, ca_dir: str | None, trust: str, cert_file: str | None,
              cert_dir: str | None) -> ssl.SSLContext:
@@ -62,3 +78,27 @@ def _context(ca_file: str | None, ca_dir: str | None, trust: str, cert_file: str
     import certifi
 
     return ssl.create_default_context(cafile=certifi.where())
+
+
+# OpenSSL's X509_V_ERR_* codes, by what the operator has to fix. The library's own message
+# is never stored: for a name mismatch it quotes the host name.
+_CERTIFICATE_CAUSES = {
+    62: "TLS certificate name mismatch (not valid for this host)",  # HOSTNAME_MISMATCH
+    64: "TLS certificate name mismatch (not valid for this address)",  # IP_ADDRESS_MISMATCH
+    10: "TLS certificate expired",  # CERT_HAS_EXPIRED
+    9: "TLS certificate not yet valid",  # CERT_NOT_YET_VALID
+    **dict.fromkeys((2, 18, 19, 20, 21, 27), "TLS certificate from an unknown authority"),  # no trusted issuer
+    23: "TLS certificate revoked",  # CERT_REVOKED
+}
+_OPENSSL_REASON = re.compile(r"[A-Z0-9_]{1,64}")
+
+
+def tls_failure(exc: ssl.SSLError, failed: str = "TLS error") -> str:
+    """Why TLS failed, named for the operator (docs/protocol.md "Attempt records")."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = exc.verify_code  # None from a platform verifier (truststore on macOS, Windows)
+        if not isinstance(code, int):
+            return "TLS certificate verification failed"
+        return _CERTIFICATE_CAUSES.get(code, f"TLS certificate verification failed (verify code {code})")
+    reason = exc.reason if isinstance(exc.reason, str) and _OPENSSL_REASON.fullmatch(exc.reason) else None
+    return f"{failed} ({reason})" if reason else failed

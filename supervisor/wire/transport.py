@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
-import os
 import socket
 import ssl
 import time
@@ -50,7 +49,7 @@ from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.urls import blocked_reason, canonicalize_url, origin
 from supervisor.wire.http1 import Http1Connection, StaleConnection, TransportFailure, connect, encode_request
-from supervisor.wire.tls import tls_context
+from supervisor.wire.tls import sender_context
 
 __all__ = ["RESPONSE_BODY_CAP", "HttpResult", "HttpSender", "Resolver"]
 
@@ -157,21 +156,6 @@ def _target(url: str) -> _Target:
                    canonical[len(prefix):], scheme, canonical == url)
 
 
-def _ssl_context(settings: Settings, verify: ssl.SSLContext | str | None) -> ssl.SSLContext:
-    """Build the TLS context once: creating one per connection costs milliseconds of CPU.
-
-    ``None`` (the daemon): the operator's trust settings (:func:`supervisor.wire.tls.tls_context`);
-    a context or a CA file or directory path otherwise (tests).
-    """
-    if verify is None:
-        return tls_context(settings)
-    if isinstance(verify, ssl.SSLContext):
-        return verify
-    if os.path.isdir(verify):
-        return ssl.create_default_context(capath=verify)
-    return ssl.create_default_context(cafile=verify)
-
-
 class HttpSender:
     """POSTs webhook bodies; owns the per-origin connection pools and the DNS pins.
 
@@ -194,7 +178,7 @@ class HttpSender:
         self._resolve = resolver or _default_resolver
         self._ttl = max(0.0, dns_ttl_seconds)
         self._max_origins = max_origins
-        self._ssl = _ssl_context(settings, verify)
+        self._ssl = sender_context(settings, verify)
         self._origins: OrderedDict[str, _Origin] = OrderedDict()
         self._closed = False
         # The lease invariant in Settings is "lease > connect + read": hold every attempt to it.
