@@ -261,7 +261,7 @@ def test_breaker_row_unchanged_for_a_healthy_endpoint():
 
 
 def test_a_retry_that_would_overshoot_the_horizon_gets_one_last_try_before_it():
-    from supervisor.cycle.completer import LAST_TRY_MARGIN_SECONDS as margin, retry_at
+    from supervisor.wire.classify import LAST_TRY_MARGIN_SECONDS as margin, retry_at
 
     end = 10_000.0
     assert retry_at(100.0, 50.0, end) == 150.0

@@ -17,7 +17,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -35,7 +34,7 @@ from supervisor.cycle import challenge
 from supervisor.observe import events, health_stats, tracing
 from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
-from supervisor.wire.classify import RetryPolicy
+from supervisor.wire.classify import RetryPolicy, retry_at
 from supervisor.observe.metrics import Metrics, status_class
 from supervisor.cycle.outage import OutageGuard, diagnose
 from supervisor.cycle.pgdirect import DirectConnection
@@ -44,9 +43,6 @@ FLUSH_INTERVAL = 0.02
 FLUSH_MAX = 200  # outcomes per flush at most; a flush starts early at one round of the concurrency
 RECORDING = "record outcomes"  # the outage guard's name for this activity
 REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, then left to its lease
-# A retry whose back-off would pass the horizon gets one last attempt this long before it
-# (time for a claim and a full request), instead of being given up at once.
-LAST_TRY_MARGIN_SECONDS = 60.0
 UNSENT = ("expire", "release", "hold")  # claimed but not sent: no attempt made, none counted or logged
 # A message the daemon cannot prepare now (its scope has no active signing key, or it is sealed
 # under a key this process lacks) waits this long before it is claimed again, by this daemon or
@@ -91,36 +87,6 @@ async def _revoked(conn, batch: Sequence[Outcome]) -> set[int]:
     return {o.message.id for o in batch if _may_continue(o) and o.message.subscriber_ref not in live}
 
 
-def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
-    """When to try again after a failure, or ``None`` when the horizon leaves no more tries.
-
-    Never past the horizon: a back-off that would overshoot it becomes one last attempt
-    ``LAST_TRY_MARGIN_SECONDS`` before it; a failure of that last attempt is final.
-    """
-    last = horizon_end - LAST_TRY_MARGIN_SECONDS
-    if now + delay <= last:
-        return now + delay
-    return last if now < last else None
-
-
-@dataclass(frozen=True)
-class Policies:
-    retry: RetryPolicy
-    breaker: CircuitBreakerPolicy
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> "Policies":
-        return cls(
-            RetryPolicy(settings.retry_base_seconds, settings.retry_max_seconds),
-            CircuitBreakerPolicy(
-                failure_threshold=settings.breaker_failure_threshold,
-                success_threshold=settings.breaker_success_threshold,
-                open_timeout_seconds=settings.breaker_open_seconds,
-                max_open_timeout_seconds=settings.breaker_max_open_seconds,
-                failure_ratio=settings.breaker_failure_ratio, window_seconds=settings.breaker_window_seconds),
-        )
-
-
 class Completer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
                  fanout: SinkFanout, outage: OutageGuard, on_recorded: Recorded = lambda failures, tripped: None
@@ -132,7 +98,11 @@ class Completer:
         # interval with work due, or send what waits for a tripped endpoint.
         self._on_recorded = on_recorded
         self._settings = settings
-        self._policies = Policies.from_settings(settings)
+        self._retry = RetryPolicy(settings.retry_base_seconds, settings.retry_max_seconds)
+        self._breaker_policy = CircuitBreakerPolicy(
+            failure_threshold=settings.breaker_failure_threshold, success_threshold=settings.breaker_success_threshold,
+            open_timeout_seconds=settings.breaker_open_seconds, max_open_timeout_seconds=settings.breaker_max_open_seconds,
+            failure_ratio=settings.breaker_failure_ratio, window_seconds=settings.breaker_window_seconds)
         self._daemon_id = daemon_id
         self._metrics = metrics
         self._fanout = fanout
@@ -328,7 +298,7 @@ class Completer:
         elif o.outcome == "abandoned":  # interrupted at shutdown: due again at once
             next_at = now
         else:  # retry
-            delay = max(self._policies.retry.delay_for_attempt(m.attempt), o.retry_after or 0.0)
+            delay = max(self._retry.delay_for_attempt(m.attempt), o.retry_after or 0.0)
             next_at = retry_at(now, delay, m.retry_until)
             if next_at is None:
                 state, reason = "dead", "expired"
@@ -374,10 +344,10 @@ class Completer:
         changed, transitions, logged = [], [], []
         for key, results in per_key.items():
             row = rows.get(key) or closed_row(*key)
-            new, moved = apply_outcomes(row, results, now=now, policy=self._policies.breaker)
+            new, moved = apply_outcomes(row, results, now=now, policy=self._breaker_policy)
             if new != row:
                 changed.append(new)
-            attempts, failures = window_counts(row, now, self._policies.breaker.window_seconds)
+            attempts, failures = window_counts(row, now, self._breaker_policy.window_seconds)
             for before, after in moved:
                 transitions.append((key, before, after))
                 logged.append({"tenant_id": key[0], "origin": key[1], "from_state": before, "to_state": after,

@@ -8,7 +8,7 @@ it implements, so a change in the AdCP spec is one edit in this file:
 * how ``Retry-After`` is read (RFC 9110 §10.2.3; the AdCP spec gives it no meaning, "Receiver answers",
   so we honour it only as a hint for *when* to retry, never for *whether*);
 * how the ``WWW-Authenticate: Signature error="webhook_*"`` code is extracted ("Receiver answers");
-* the retry back-off schedule ("Retry horizon").
+* the retry back-off schedule, and the last try it keeps inside the horizon ("Retry horizon").
 
 The functions are pure: no I/O, no clock reads (the caller passes ``now``), no logging.
 None of them raises on hostile receiver input; the texts they return (``detail``, the
@@ -382,3 +382,20 @@ class RetryPolicy:
             fraction = (rng if rng is not None else random).random()
             delay *= 1.0 + 0.25 * fraction
         return delay
+
+
+# A retry whose back-off would pass the horizon gets one last attempt this long before it
+# (time for a claim and a full request), instead of being given up at once.
+LAST_TRY_MARGIN_SECONDS = 60.0
+
+
+def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
+    """When to try again after a failure, or ``None`` when the horizon leaves no more tries.
+
+    Never past the horizon: a back-off that would overshoot it becomes one last attempt
+    ``LAST_TRY_MARGIN_SECONDS`` before it; a failure of that last attempt is final.
+    """
+    last = horizon_end - LAST_TRY_MARGIN_SECONDS
+    if now + delay <= last:
+        return now + delay
+    return last if now < last else None
