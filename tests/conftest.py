@@ -17,11 +17,11 @@ from hypothesis import settings as hypothesis_settings
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 
-from outbox.config import Settings, load_settings
+from outbox.config import Settings
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from tests import pgserver, procs, ts_sdk
-from tests.ledger import THROWAWAY_KEY
+from tests.ledger import THROWAWAY_KEY, loopback_producer
 from tests.pgcluster import PgCluster
 from tests.tables import EMPTIED_TABLES
 
@@ -208,13 +208,7 @@ def blank_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Eng
 @pytest.fixture
 def settings() -> Settings:
     """Settings for producer tests: loopback allowed, http allowed, a throwaway encryption key."""
-    return load_settings(
-        env={
-            "OUTBOX_ALLOW_HTTP": "true",
-            "OUTBOX_ALLOWED_CIDRS": "127.0.0.0/8,::1/128",
-            "OUTBOX_ENCRYPTION_KEY": THROWAWAY_KEY,
-        }
-    )
+    return loopback_producer(OUTBOX_ALLOWED_CIDRS="127.0.0.0/8,::1/128", OUTBOX_ENCRYPTION_KEY=THROWAWAY_KEY)
 
 
 @pytest.fixture(params=["sealed", "plaintext"])

@@ -25,18 +25,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.urls import canonicalize_url, validate_destination
 from outboxd_receiver import Receiver, adcp_verifier, serve
 from supervisor.wire.classify import classify_transport_error
 from supervisor.wire.signing import ALG_ED25519, SigningKey, signature_headers
 from supervisor.wire.transport import HttpSender
+from tests.ledger import PRODUCER
 
 T = TypeVar("T")
 KEY = SigningKey("fidelity-key", ALG_ED25519, Ed25519PrivateKey.generate())
 BODY = b'{"idempotency_key":"whk_fidelity_0001","status":"completed"}'
-SETTINGS = Settings(allow_http=True, allowed_cidrs=(ipaddress.ip_network("127.0.0.0/8"),))
 # Six fixed segments: the generated path has at most five, so its ".." segments can never
 # climb out to the receiver's behaviour-by-path routes (/hang, /status/...).
 PREFIX = "/w/w/w/w/w/w"
@@ -116,7 +115,7 @@ def harness() -> Iterator[Harness]:
         return sdk(method, url, headers, body)
 
     async def start() -> tuple[asyncio.Server, HttpSender]:
-        return await serve(Receiver(verify, None)), HttpSender(SETTINGS)
+        return await serve(Receiver(verify, None)), HttpSender(PRODUCER)
 
     server, sender = asyncio.run_coroutine_threadsafe(start(), loop).result()
     h = Harness(loop, server.sockets[0].getsockname()[1], sender, arrived)
@@ -152,7 +151,7 @@ def test_accepted_urls_verify_refused_ones_name_url(harness: Harness, path: str,
     expected = refusal_expected(path, query)
     event(f"refused: {expected}" if expected else "sent and verified")
     try:
-        url = validate_destination(raw, allow_http=True, allowed_cidrs=SETTINGS.allowed_cidrs)
+        url = validate_destination(raw, allow_http=True, allowed_cidrs=PRODUCER.allowed_cidrs)
     except OutboxValidationError as exc:
         assert exc.field == "url"
         assert expected is not None, f"refused an ordinary URL: {exc}"
