@@ -100,8 +100,10 @@ class Completer:
         self._settings = settings
         self._retry = RetryPolicy(settings.retry_base_seconds, settings.retry_max_seconds)
         self._breaker_policy = CircuitBreakerPolicy(
-            failure_threshold=settings.breaker_failure_threshold, success_threshold=settings.breaker_success_threshold,
-            open_timeout_seconds=settings.breaker_open_seconds, max_open_timeout_seconds=settings.breaker_max_open_seconds,
+            failure_threshold=settings.breaker_failure_threshold,
+            success_threshold=settings.breaker_success_threshold,
+            open_timeout_seconds=settings.breaker_open_seconds,
+            max_open_timeout_seconds=settings.breaker_max_open_seconds,
             failure_ratio=settings.breaker_failure_ratio, window_seconds=settings.breaker_window_seconds)
         self._daemon_id = daemon_id
         self._metrics = metrics
