@@ -18,7 +18,12 @@ What is proven, each by its own test:
   other tenants' deliveries go on undisturbed (each sent exactly once);
 * the same refusal in process on SQLite and PostgreSQL: the completer isolates the refused
   outcome, the rescuer logs it ``abandoned``, a late retry of it changes nothing;
-* shutdown: the drain records a batch the completer had already taken off its queue.
+* shutdown: the drain records a batch the completer had already taken off its queue;
+* SIGTERM while the database is away at start (a pod restarted during an outage): the
+  daemon stops at once with status 0, not when the outage bound ends;
+* SIGTERM while the database is away mid-run: the daemon waits for it no longer than the
+  shutdown grace, exits non-zero naming the outcomes it could not record, and a new daemon
+  finishes every message once the database is back.
 
 ``check_ledger`` (tests/ledger.py) holds the end-of-run invariants.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -339,3 +345,82 @@ async def test_drain_at_shutdown_records_the_batch_being_flushed(any_url):
     counts = states(sync)
     sync.dispose()
     assert counts == {"delivered": 10}, counts
+
+
+# ---------------------------------------------------------------------------------------
+# Told to stop while the database is away.
+
+def _at_defaults(env: dict[str, str], *names: str) -> dict[str, str]:
+    """``env`` without the test tunings ``names`` (``OUTBOX_*``): those settings at their defaults."""
+    return {k: v for k, v in env.items() if k not in names}
+
+
+def _sigterm_a_second_after(daemon: subprocess.Popen[bytes], fault: Callable[[], None]) -> tuple[int, float]:
+    """Bring ``fault`` about, SIGTERM the daemon a second later: its exit status, and how long
+    after SIGTERM it came."""
+    try:
+        fault()
+        time.sleep(1.0)  # into the back-off between tries, and requests end meanwhile
+        told = time.monotonic()
+        rc = procs.stop(daemon, timeout=90)
+        return rc, time.monotonic() - told
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+
+
+def test_sigterm_while_the_database_is_away_at_start_stops_the_daemon_at_once(tmp_path):
+    """With every setting at its default (the outage bound is 60 s), a daemon that cannot
+    reach its database yet stops on SIGTERM within seconds: nothing was claimed, so there is
+    nothing to finish, and Kubernetes would otherwise kill it after its grace period."""
+    key, _ = procs.make_key(tmp_path)
+    env = _at_defaults(procs.daemon_env(f"postgresql://postgres@127.0.0.1:{procs.free_port()}/outboxd", key),
+                       "OUTBOX_CONNECT_TIMEOUT_SECONDS", "OUTBOX_READ_TIMEOUT_SECONDS", "OUTBOX_LEASE_SECONDS",
+                       "OUTBOX_SHUTDOWN_GRACE_SECONDS")
+    log = tmp_path / "daemon.log"
+
+    def database_away() -> None:
+        assert procs.wait_until(lambda: "database.error" in [e.get("event") for e in daemon_events(log)], 30)
+
+    rc, took = _sigterm_a_second_after(procs.start_daemon(env, log), database_away)
+    seen = [e.get("event") for e in daemon_events(log)]
+    assert rc == 0 and took < 5, f"exit {rc} {took:.1f} s after SIGTERM; events {seen}"
+    assert "daemon.stopped" in seen and "database.unreachable" not in seen, seen
+    assert "Traceback" not in log.read_text(errors="replace")
+
+
+def test_sigterm_while_the_database_is_away_mid_run_ends_within_the_grace(cluster, tmp_path, keypair):
+    """The shutdown grace is the default (15 s); the shipped manifests allow 30 s before
+    SIGKILL, where the outage bound (60 s) would have had the daemon killed mid-way."""
+    pem, jwks = keypair
+    url = cluster.migrated_database()
+    engine = make_engine(url, pool_pre_ping=True)
+    log = tmp_path / "daemon.log"
+    total = 400
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log):
+        enqueue_batch(engine, [(f"t{i % 4}", f"http://127.0.0.1:{port}/delay/300", message_key("term", i))
+                               for i in range(total)])
+
+        def database_goes_away() -> None:
+            assert procs.wait_until(lambda: states(engine)["delivered"] >= 20, 60)
+            engine.dispose()
+            cluster.stop("fast")
+
+        try:
+            rc, took = _sigterm_a_second_after(
+                procs.start_daemon(_at_defaults(procs.daemon_env(url, pem), "OUTBOX_SHUTDOWN_GRACE_SECONDS"), log),
+                database_goes_away)
+        finally:
+            if not cluster.is_running():
+                cluster.start()
+        print(f"\nSIGTERM with the database away: exit {rc} after {took:.1f} s; {exit_line(log)}")
+        assert rc != 0 and took <= 15 + 5, f"exit {rc} {took:.1f} s after SIGTERM"
+        assert "outcome(s) unrecorded" in exit_line(log), exit_line(log)
+        assert "Traceback" not in log.read_text(errors="replace")
+        daemon = procs.start_daemon(procs.daemon_env(url, pem), tmp_path / "daemon2.log")
+        try:
+            assert procs.wait_until(lambda: finished(engine, total, final=("delivered",)), 90), states(engine)
+        finally:
+            assert procs.stop(daemon) == 0
+        assert check_ledger(engine, [arrivals_log])["delivered"] == total
+    engine.dispose()

@@ -6,7 +6,8 @@
 Every decision that must survive a crash is written by the completer in the database; this
 process only caches. SIGTERM/SIGINT stop claiming, let in-flight attempts finish within
 ``OUTBOX_SHUTDOWN_GRACE_SECONDS``, record them (interrupted ones as ``abandoned``, due
-again at once), and exit 0.
+again at once), and exit 0; a database away then is waited for only until the grace has
+passed, and one away at start not at all (docs/operations.md, "Stopping").
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -41,13 +42,16 @@ from supervisor.keys.keyring import CHANNEL as KEYRING_CHANNEL
 from supervisor.keys.keyring_cache import CachedKeyring
 from supervisor.cycle.maintenance import Maintenance
 from supervisor.observe.metrics import Metrics
-from supervisor.cycle.outage import OutageGuard
+from supervisor.cycle.outage import DatabaseUnavailable, OutageGuard
 from supervisor.cycle.reporting_handoff import run_handoff
 from supervisor.cycle.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
 from supervisor.cycle.pgdirect import check_each_connection, connect_options, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
+
+
+T = TypeVar("T")
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -68,12 +72,33 @@ def new_daemon_id() -> str:
 
 
 SCHEMA_POLL_SECONDS = 5.0
+# After SIGTERM, recording what the attempts left waits for a database that is away until the
+# shutdown grace has passed, and at least this long (docs/operations.md, "Stopping").
+RECORDING_FLOOR_SECONDS = 5.0
 SCHEMA_LOG_SECONDS = 60.0
 
 
 async def _schema_check(engine: AsyncEngine) -> SchemaCheck:
     async with engine.connect() as conn:
         return await conn.run_sync(check_schema)
+
+
+async def _unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or ``None`` if ``stop`` is set first (``work`` is then cancelled).
+
+    Waiting for a database that is away (a connect, the outage guard's back-off, which lasts
+    until ``OUTBOX_DATABASE_OUTAGE_SECONDS`` for a misconfiguration) must not outlast a
+    SIGTERM: a daemon that has claimed nothing has nothing to finish."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    return None if task.cancelled() else task.result()
 
 
 def daemon_engine(settings: Settings) -> AsyncEngine:
@@ -173,11 +198,15 @@ class Daemon:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                check = await _schema_check(self.engine)
-                self.outage.ok("check the schema")
+                check = await _unless_stopped(stop, _schema_check(self.engine))
             except Exception as exc:  # the database is down at start: ride it out like any outage
-                await self.outage.failed("check the schema", exc)
+                await _unless_stopped(stop, self.outage.failed("check the schema", exc))
+                if stop.is_set():
+                    return False
                 continue
+            if check is None:
+                return False
+            self.outage.ok("check the schema")
             if check.verdict == "incompatible":
                 raise ConfigurationError(check.problem() or "")
             if check.usable:
@@ -193,6 +222,28 @@ class Daemon:
                 return False
             except asyncio.TimeoutError:
                 pass
+
+    async def _record_the_rest(self, stopping: float) -> DatabaseUnavailable | None:
+        """Record what the attempts left (:meth:`Completer.drain`) before the process ends.
+
+        A database that is away is waited for until the shutdown grace has passed since the
+        stop began (at least ``RECORDING_FLOOR_SECONDS``), not for the outage bound: the
+        supervisor's own grace (30 s in the shipped manifests) would end it first. What is
+        left unrecorded keeps its lease and is sent again once the lease runs out, as after a
+        crash; the error returned says how many, for the exit line."""
+        unrecorded = self.completer.backlog
+        budget = max(self.settings.shutdown_grace_seconds - (asyncio.get_running_loop().time() - stopping),
+                     RECORDING_FLOOR_SECONDS)
+        try:
+            async with asyncio.timeout(budget):
+                await self.completer.drain()
+        except TimeoutError:
+            self.log.error("daemon.unrecorded", outcomes=unrecorded, waited_seconds=round(budget, 1),
+                           retry="after their leases expire")
+            return DatabaseUnavailable(f"stopped with {unrecorded} outcome(s) unrecorded: the database did not "
+                                       f"answer within {budget:.0f} s; their messages are sent again once "
+                                       "their leases expire")
+        return None
 
     def _wakeups(self) -> list[asyncio.Task[Any]]:
         """LISTEN for new work and key changes where NOTIFY can arrive; else say, once, that
@@ -271,12 +322,13 @@ class Daemon:
                 if task is not stopper and task.exception() is not None:
                     failure = task.exception()
         finally:
+            stopping = loop.time()
             self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
             self.claimer.stop()
             await asyncio.gather(claimer, return_exceptions=True)
             if failure is None:
                 await self.claimer.finish(self.settings.shutdown_grace_seconds)
-                await self.completer.drain()
+                failure = await self._record_the_rest(stopping)
             # Stop counting as an encryption-key reader while the other loops still run: their
             # transactions end normally, so on SQLite this write never waits behind the write
             # lock of a loop cancelled in the middle of one (up to the busy timeout).
