@@ -43,11 +43,13 @@ class Recorder:
         return {o.message.id for o in self.outcomes if o.action == "release"}
 
 
-async def _run(pg_url: str, recorder: Recorder, until, *, metrics: Metrics | None = None, **env: str) -> None:
+async def _run(pg_url: str, recorder: Recorder, until, *, metrics: Metrics | None = None,
+               outage: OutageGuard | None = None, **env: str) -> float:
+    """Run a claimer until ``until()`` (and 0.3 s more); how long it took to stop when told."""
     settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": pg_url, **env})
     engine = make_async_engine(pg_url)
     claimer = Claimer(engine, settings=settings, daemon_id="unit", metrics=metrics or Metrics(),
-                      attempt=recorder.attempt, submit=recorder.outcomes.append, outage=OutageGuard(60))
+                      attempt=recorder.attempt, submit=recorder.outcomes.append, outage=outage or OutageGuard(60))
     task = asyncio.create_task(claimer.run())
     try:
         deadline = time.monotonic() + 30
@@ -56,9 +58,11 @@ async def _run(pg_url: str, recorder: Recorder, until, *, metrics: Metrics | Non
         await asyncio.sleep(0.3)  # anything more it would do, it does now
     finally:
         claimer.stop()
+        told = time.monotonic()
         await asyncio.wait_for(task, 10)
         await claimer.aclose()
         await engine.dispose()
+    return time.monotonic() - told
 
 
 @contextmanager
@@ -190,3 +194,23 @@ async def test_requests_ending_while_a_claim_refills_their_origin_do_not_earn_a_
     slivers = claims(2) - claims(0)
     total = metrics.registry.get_sample_value("outbox_claim_batch_size_count")
     assert slivers <= 1, f"{slivers:.0f} of {total:.0f} claims took one or two rows of a backlog"
+
+
+@pytest.fixture
+def misconfigured_claims(pg_engine) -> Iterator[None]:
+    """Every lease fails the way a prepared statement out of place does behind a pooler
+    (SQLSTATE 26000): a failure retrying cannot cure, so the outage guard waits out its bound."""
+    with _trigger(pg_engine, "outbox_messages", "NEW.state = 'in_flight'",
+                  "RAISE EXCEPTION 'prepared statement \"_pg3_0\" does not exist' USING ERRCODE = '26000';"):
+        yield
+
+
+async def test_a_claimer_waiting_out_an_incurable_failure_stops_when_told(pg_engine, pg_url,
+                                                                         misconfigured_claims) -> None:
+    """The guard's bound is 60 s (the default): told to stop (SIGTERM), the claimer ends now,
+    not when the bound would have ended the daemon anyway."""
+    enqueue_batch(pg_engine, [("t", URL, message_key("incurable", 0))])
+    guard = OutageGuard(60)
+    took = await _run(pg_url, Recorder(), lambda: guard.problem() is not None, outage=guard)
+    assert "OUTBOX_DATABASE_POOLER=transaction" in (guard.problem() or ""), guard.problem()
+    assert took < 1.0, f"stopped {took:.1f} s after it was told"

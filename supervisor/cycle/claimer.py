@@ -37,7 +37,7 @@ from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.breaker import CircuitState
 from supervisor.cycle.dispatch import Dispatcher
 from supervisor.observe.metrics import Metrics
-from supervisor.cycle.outage import OutageGuard
+from supervisor.cycle.outage import OutageGuard, unless_stopped
 from supervisor.cycle.pgdirect import DirectConnection
 
 Attempt = Callable[[Claimed], Awaitable[Outcome]]
@@ -84,7 +84,7 @@ class Claimer:
         # which earn one only if still low when the claimer gets to it (``_refill_wanted``).
         self._news = False
         self._refills: set[str] = set()
-        self._stopping = False
+        self._stopping = asyncio.Event()  # set once: a stop cuts short the outage guard's wait
         self._log = structlog.get_logger("outboxd.claimer")
 
     @property
@@ -118,12 +118,12 @@ class Claimer:
             await self._direct.aclose()
 
     def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
         self.wake()
 
     async def run(self) -> None:
         contended = 0  # contended claims in a row
-        while not self._stopping:
+        while not self._stopping.is_set():
             # Every lease counts: requests open and messages waiting their turn, within two
             # rounds of the concurrency, and outcomes the completer has not recorded yet past
             # one round (one flush's worth is normal; more means it is behind): at most three
@@ -158,7 +158,7 @@ class Claimer:
                 # A partial batch took everything that may go now; a NOTIFY, a request ending
                 # with work left behind, the poll or the earliest retry brings the rest.
             except Exception as exc:
-                await self._outage.failed(CLAIMING, exc)
+                await unless_stopped(self._stopping, self._outage.failed(CLAIMING, exc))
                 continue
             await self._sleep(timeout)
 

@@ -19,7 +19,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -42,16 +42,13 @@ from supervisor.keys.keyring import CHANNEL as KEYRING_CHANNEL
 from supervisor.keys.keyring_cache import CachedKeyring
 from supervisor.cycle.maintenance import Maintenance
 from supervisor.observe.metrics import Metrics
-from supervisor.cycle.outage import DatabaseUnavailable, OutageGuard
+from supervisor.cycle.outage import DatabaseUnavailable, OutageGuard, unless_stopped
 from supervisor.cycle.reporting_handoff import run_handoff
 from supervisor.cycle.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
 from supervisor.cycle.pgdirect import check_each_connection, connect_options, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
-
-
-T = TypeVar("T")
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -81,24 +78,6 @@ SCHEMA_LOG_SECONDS = 60.0
 async def _schema_check(engine: AsyncEngine) -> SchemaCheck:
     async with engine.connect() as conn:
         return await conn.run_sync(check_schema)
-
-
-async def _unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or ``None`` if ``stop`` is set first (``work`` is then cancelled).
-
-    Waiting for a database that is away (a connect, the outage guard's back-off, which lasts
-    until ``OUTBOX_DATABASE_OUTAGE_SECONDS`` for a misconfiguration) must not outlast a
-    SIGTERM: a daemon that has claimed nothing has nothing to finish."""
-    task = asyncio.ensure_future(work)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, stopped, return_exceptions=True)
-    return None if task.cancelled() else task.result()
 
 
 def daemon_engine(settings: Settings) -> AsyncEngine:
@@ -198,9 +177,9 @@ class Daemon:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                check = await _unless_stopped(stop, _schema_check(self.engine))
+                check = await unless_stopped(stop, _schema_check(self.engine))
             except Exception as exc:  # the database is down at start: ride it out like any outage
-                await _unless_stopped(stop, self.outage.failed("check the schema", exc))
+                await unless_stopped(stop, self.outage.failed("check the schema", exc))
                 if stop.is_set():
                     return False
                 continue

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
@@ -131,3 +132,24 @@ class OutageGuard:
             self._log.error("database.error", doing=doing, cause=cause.label, reason=cause.text,
                             error=type(exc).__name__, detail=str(exc)[:200], outage_seconds=round(elapsed, 1))
         await asyncio.sleep(min(0.2 * 2 ** min(failures, 5), 5.0))
+
+
+T = TypeVar("T")
+
+
+async def unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or ``None`` if ``stop`` is set first (``work`` is then cancelled).
+
+    Waiting for a database that is away (a connect, :meth:`OutageGuard.failed`'s back-off,
+    which lasts until ``OUTBOX_DATABASE_OUTAGE_SECONDS`` for a misconfiguration) must not
+    outlast a SIGTERM: what waits so has claimed nothing it must finish."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    return None if task.cancelled() else task.result()
