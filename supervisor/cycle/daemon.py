@@ -202,17 +202,16 @@ class Daemon:
             except asyncio.TimeoutError:
                 pass
 
-    async def _record_the_rest(self, stopping: float) -> DatabaseUnavailable | None:
+    async def _record_the_rest(self, grace_ends: float) -> DatabaseUnavailable | None:
         """Record what the attempts left (:meth:`Completer.drain`) before the process ends.
 
-        A database that is away is waited for until the shutdown grace has passed since the
-        stop began (at least ``RECORDING_FLOOR_SECONDS``), not for the outage bound: the
-        supervisor's own grace (30 s in the shipped manifests) would end it first. What is
-        left unrecorded keeps its lease and is sent again once the lease runs out, as after a
-        crash; the error returned says how many, for the exit line."""
+        A database that is away is waited for until ``grace_ends`` (the loop's time when the
+        shutdown grace has passed; at least ``RECORDING_FLOOR_SECONDS`` more), not for the
+        outage bound: the supervisor's own grace (30 s in the shipped manifests) would end it
+        first. What is left unrecorded keeps its lease and is sent again once the lease runs
+        out, as after a crash; the error returned says how many, for the exit line."""
         unrecorded = self.completer.backlog
-        budget = max(self.settings.shutdown_grace_seconds - (asyncio.get_running_loop().time() - stopping),
-                     RECORDING_FLOOR_SECONDS)
+        budget = max(grace_ends - asyncio.get_running_loop().time(), RECORDING_FLOOR_SECONDS)
         try:
             async with asyncio.timeout(budget):
                 await self.completer.drain()
@@ -301,13 +300,13 @@ class Daemon:
                 if task is not stopper and task.exception() is not None:
                     failure = task.exception()
         finally:
-            stopping = loop.time()
+            grace_ends = loop.time() + self.settings.shutdown_grace_seconds
             self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
             self.claimer.stop()
             await asyncio.gather(claimer, return_exceptions=True)
             if failure is None:
                 await self.claimer.finish(self.settings.shutdown_grace_seconds)
-                failure = await self._record_the_rest(stopping)
+                failure = await self._record_the_rest(grace_ends)
             # Stop counting as an encryption-key reader while the other loops still run: their
             # transactions end normally, so on SQLite this write never waits behind the write
             # lock of a loop cancelled in the middle of one (up to the busy timeout).
