@@ -1,6 +1,7 @@
 """A database that stops answering without closing anything (a network black hole, a stuck
 pooler): the daemon's statements time out, the outage guard counts them, and the daemon
-exits non-zero within its bound instead of hanging a claim or a flush for ever.
+exits non-zero within its bound instead of hanging a claim or a flush for ever; told to
+stop meanwhile, it cuts its connections and exits within its shutdown grace.
 
 The black hole is a loopback TCP proxy in this process that, once stalled, still accepts
 connections and reads what it is sent (so the client's kernel sees every byte acknowledged)
@@ -10,11 +11,19 @@ only the client's own statement deadline does.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import pytest
+from sqlalchemy import text
+
+from outbox.config import Settings
+from outbox.db import make_async_engine
+from supervisor.cycle.cutoff import Cutoff
+from supervisor.cycle.pgdirect import DirectConnection
 from tests import procs
 from tests.db_proxies import stalling_proxy
-from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key
+from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key, states
 
 
 def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engine, pg_url, tmp_path):
@@ -53,3 +62,73 @@ def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engin
             procs.stop(daemon)
         summary = check_ledger(pg_engine, [arrivals_log])
         assert summary["delivered"] == 10, summary
+
+
+def test_sigterm_while_the_database_black_holes_ends_before_the_manifests_kill(pg_engine, pg_url, tmp_path):
+    """Every deadline at its default (statement timeout and shutdown grace 15 s): told to stop
+    while the database has stopped answering without closing anything, the daemon exits 1,
+    naming what it left unrecorded, before the 30 s the shipped manifests allow before
+    SIGKILL, however many of its steps each wait for a statement that will never be answered."""
+    key, jwks = procs.make_key(tmp_path)
+    total = 400
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log), \
+            stalling_proxy(pg_url) as (proxy, proxied):
+        env = {k: v for k, v in procs.daemon_env(proxied, key).items()
+               if k not in ("OUTBOX_SHUTDOWN_GRACE_SECONDS", "OUTBOX_LEASE_SECONDS")}
+        log = tmp_path / "through-proxy.log"
+        daemon = procs.start_daemon(env, log)
+        try:
+            enqueue_batch(pg_engine, [(f"t{i % 4}", f"http://127.0.0.1:{port}/delay/300", message_key("bht", i))
+                                      for i in range(total)])
+            assert procs.wait_until(lambda: states(pg_engine)["delivered"] >= 20, 60), daemon_events(log)[-3:]
+            proxy.stall()
+            time.sleep(1.0)
+            told = time.monotonic()
+            rc = procs.stop(daemon, timeout=90)
+            took = time.monotonic() - told
+        finally:
+            if daemon.poll() is None:
+                daemon.kill()
+        print(f"\nSIGTERM with the database black-holed: exit {rc} after {took:.1f} s; {exit_line(log)}")
+        # The grace (15 s), the recording's floor after it (5 s), the cut work's moment to fail.
+        assert rc == 1 and took <= 15 + 5 + 3, f"exit {rc} {took:.1f} s after SIGTERM"
+        assert "outcome(s) unrecorded" in exit_line(log), exit_line(log)
+        # Nothing was lost: a daemon on a working connection finishes the rest once the leases end.
+        daemon = procs.start_daemon(procs.daemon_env(pg_url, key), tmp_path / "direct.log")
+        try:
+            assert procs.wait_until(lambda: finished(pg_engine, total, final=("delivered",)), 180)
+        finally:
+            procs.stop(daemon)
+        assert check_ledger(pg_engine, [arrivals_log])["delivered"] == total
+
+
+async def test_a_cut_fails_statements_waiting_on_a_black_hole_at_once_and_opens_nothing_more(pg_url):
+    """Past its deadline the cutoff fails what waits on the engine's connections and on a
+    direct connection at once (cancelling instead costs psycopg up to 10 s per connection,
+    asking the unreachable server to cancel), and refuses every new connection."""
+    with stalling_proxy(pg_url) as (proxy, proxied):
+        engine = make_async_engine(proxied)
+        direct = DirectConnection.of(engine, Settings(database_url=proxied))
+        assert direct is not None
+        try:
+            async with engine.connect() as conn:  # a pooled connection, open before the stall
+                await conn.execute(text("SELECT 1"))
+            await direct.execute(text("SELECT 1"))
+            proxy.stall()
+
+            async def pooled() -> None:
+                async with engine.connect() as conn:
+                    await conn.execute(text("SELECT 1"))
+
+            cutoff = Cutoff.of(engine)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            results = await asyncio.gather(cutoff.by(started + 0.5, pooled()),
+                                           cutoff.by(started + 0.5, direct.execute(text("SELECT 2"))))
+            assert results == [False, False] and loop.time() - started < 3, loop.time() - started
+            for attempt in (pooled(), direct.execute(text("SELECT 3"))):
+                with pytest.raises(Exception, match="waits for the database no longer"):
+                    await asyncio.wait_for(attempt, 3)
+        finally:
+            await direct.aclose()
+            await engine.dispose()

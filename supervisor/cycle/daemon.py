@@ -47,6 +47,7 @@ from supervisor.cycle.reporting_handoff import run_handoff
 from supervisor.cycle.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
+from supervisor.cycle.cutoff import Cutoff
 from supervisor.cycle.pgdirect import check_each_connection, connect_options, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
 
@@ -100,6 +101,7 @@ class Daemon:
         self.metrics = metrics or Metrics(per_tenant=settings.per_tenant_metrics,
                                           endpoint_top=settings.endpoint_metrics_top)
         self.engine = daemon_engine(settings)
+        self.cutoff = Cutoff.of(self.engine)
         self.keys = CachedKeyring(settings, on_scopes=self._count_signing_keys)
         self.sender = sender or HttpSender(settings)
         self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc,
@@ -202,26 +204,24 @@ class Daemon:
             except asyncio.TimeoutError:
                 pass
 
-    async def _record_the_rest(self, grace_ends: float) -> DatabaseUnavailable | None:
+    async def _record_the_rest(self, stopped_at: float, recorded_by: float) -> DatabaseUnavailable | None:
         """Record what the attempts left (:meth:`Completer.drain`) before the process ends.
 
-        A database that is away is waited for until ``grace_ends`` (the loop's time when the
-        shutdown grace has passed; at least ``RECORDING_FLOOR_SECONDS`` more), not for the
-        outage bound: the supervisor's own grace (30 s in the shipped manifests) would end it
-        first. What is left unrecorded keeps its lease and is sent again once the lease runs
-        out, as after a crash; the error returned says how many, for the exit line."""
+        A database that is away is waited for until ``recorded_by`` (the loop's time; the
+        stop began at ``stopped_at``), not for the outage bound: the supervisor's own grace
+        (30 s in the shipped manifests) would end the process first. Then the connections are
+        cut (:class:`Cutoff`). What is left unrecorded keeps its lease and is sent again once
+        the lease runs out, as after a crash; the error returned says how many, for the exit
+        line."""
         unrecorded = self.completer.backlog
-        budget = max(grace_ends - asyncio.get_running_loop().time(), RECORDING_FLOOR_SECONDS)
-        try:
-            async with asyncio.timeout(budget):
-                await self.completer.drain()
-        except TimeoutError:
-            self.log.error("daemon.unrecorded", outcomes=unrecorded, waited_seconds=round(budget, 1),
-                           retry="after their leases expire")
-            return DatabaseUnavailable(f"stopped with {unrecorded} outcome(s) unrecorded: the database did not "
-                                       f"answer within {budget:.0f} s; their messages are sent again once "
-                                       "their leases expire")
-        return None
+        if not self.cutoff.is_cut and await self.cutoff.by(recorded_by, self.completer.drain()):
+            return None
+        waited = asyncio.get_running_loop().time() - stopped_at
+        self.log.error("daemon.unrecorded", outcomes=unrecorded, waited_seconds=round(waited, 1),
+                       retry="after their leases expire")
+        return DatabaseUnavailable(f"stopped with {unrecorded} outcome(s) unrecorded: the database did not "
+                                   f"answer within {waited:.0f} s of the stop; their messages are sent again "
+                                   "once their leases expire")
 
     def _wakeups(self) -> list[asyncio.Task[Any]]:
         """LISTEN for new work and key changes where NOTIFY can arrive; else say, once, that
@@ -300,13 +300,18 @@ class Daemon:
                 if task is not stopper and task.exception() is not None:
                     failure = task.exception()
         finally:
-            grace_ends = loop.time() + self.settings.shutdown_grace_seconds
+            stopped_at = loop.time()
+            grace_ends = stopped_at + self.settings.shutdown_grace_seconds
             self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
             self.claimer.stop()
-            await asyncio.gather(claimer, return_exceptions=True)
+            await self.cutoff.by(grace_ends, asyncio.gather(claimer, return_exceptions=True))  # a claim unanswered
+            recorded_by = grace_ends
             if failure is None:
                 await self.claimer.finish(self.settings.shutdown_grace_seconds)
-                failure = await self._record_the_rest(grace_ends)
+                recorded_by = max(grace_ends, loop.time() + RECORDING_FLOOR_SECONDS)
+                failure = await self._record_the_rest(stopped_at, recorded_by)
+            # From here on nothing waits for the database past that time.
+            cut = loop.call_at(recorded_by, self.cutoff.cut)
             # Stop counting as an encryption-key reader while the other loops still run: their
             # transactions end normally, so on SQLite this write never waits behind the write
             # lock of a loop cancelled in the middle of one (up to the busy timeout).
@@ -322,6 +327,7 @@ class Daemon:
             await self.claimer.aclose()
             await self.completer.aclose()
             await self.engine.dispose()
+            cut.cancel()
             tracing.install(None)
             if self.tracing is not None:
                 await asyncio.to_thread(self.tracing.shutdown)  # export the last spans

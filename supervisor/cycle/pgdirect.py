@@ -29,9 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import os
 import re
-import socket
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -46,6 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql import ClauseElement
 
 from outbox.config import Settings
+from supervisor.cycle.cutoff import Cutoff, sever
 
 __all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "check_each_connection",
            "check_startup_options", "connect_options", "startup_options"]
@@ -159,8 +158,9 @@ class DirectConnection:
 
     dialect = PGDialectAsync_psycopg()  # ``conn.dialect.name`` is what outbox.store asks
 
-    def __init__(self, url: str, settings: Settings) -> None:
+    def __init__(self, url: str, settings: Settings, cutoff: Cutoff) -> None:
         self._url = libpq_url(url)
+        self._cutoff = cutoff
         self._settings = settings
         self._options = {**connect_options(settings), **startup_options(settings)}
         if settings.database_pooler == "transaction":
@@ -175,7 +175,7 @@ class DirectConnection:
         """A connection to ``engine``'s database if it is PostgreSQL (``None``: keep SQLAlchemy)."""
         if engine.dialect.name != "postgresql":
             return None
-        return cls(engine.url.render_as_string(hide_password=False), settings)
+        return cls(engine.url.render_as_string(hide_password=False), settings, Cutoff.of(engine))
 
     async def execute(self, statement: ClauseElement, params: Params = None) -> DirectResult:
         """Run ``statement`` (a ``text()`` or an ``insert()`` of :mod:`outbox.schema`, kept for
@@ -276,11 +276,7 @@ class DirectConnection:
         def expire() -> None:
             nonlocal expired
             expired = True
-            try:
-                with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except (psycopg.Error, OSError):  # closed meanwhile: nothing left to stop
-                pass
+            sever(conn)
 
         timer = asyncio.get_running_loop().call_later(self._timeout, expire)
         try:
@@ -306,6 +302,7 @@ class DirectConnection:
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
+            self._cutoff.refuse_once_cut()
             async with asyncio.timeout(self._timeout):
                 conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, **self._options)
                 if "options" in self._options:
@@ -316,6 +313,7 @@ class DirectConnection:
                         await conn.close()
                         raise
                 self._conn = conn
+                self._cutoff.track(conn)
         return self._conn
 
     def _compiled(self, statement: ClauseElement, params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:

@@ -1,0 +1,103 @@
+"""Cutting the daemon's database connections once a stop may wait for the database no longer.
+
+A database that stops answering without closing anything (a network black hole, a stuck
+pooler) leaves every statement waiting for its deadline, and a new connection waiting for
+the connect timeout. Cancelling a waiting statement does not help: psycopg first asks the
+server to cancel it, through a new connection to the same unreachable address, for up to
+10 s more per connection. A stop that waited so, step after step, ran past the 30 s the
+shipped manifests allow before SIGKILL (docs/operations.md, "Stopping").
+
+So the daemon cuts instead, when its stop has waited for the database as long as it may:
+every PostgreSQL connection it holds (its engine's and the claimer's and completer's own)
+has its socket shut down, which fails whatever waits on it at once, and no new one is
+opened. The rest of the stop (closing the sinks, the HTTP sender, the metrics endpoint) no
+longer waits for the database. What was left unrecorded is sent again once its lease runs
+out, as after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import weakref
+from collections.abc import Awaitable
+from typing import Any
+
+import psycopg
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = ["SETTLE_SECONDS", "Cutoff", "sever"]
+
+# How long work that was cut is given to fail before it is cancelled.
+SETTLE_SECONDS = 1.0
+_BY_ENGINE: "weakref.WeakKeyDictionary[Any, Cutoff]" = weakref.WeakKeyDictionary()
+
+
+def sever(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Shut down ``conn``'s socket: what waits on it fails at once, with no cancel request."""
+    try:
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except (psycopg.Error, OSError):  # closed meanwhile: nothing left to stop
+        pass
+
+
+class Cutoff:
+    """The PostgreSQL connections opened for one engine's database, and whether they are cut.
+
+    One per engine (:meth:`of`): the engine's pool reports each connection it opens, and
+    :class:`supervisor.cycle.pgdirect.DirectConnection` reports its own (:meth:`track`).
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._live: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        self.is_cut = False
+        if engine.dialect.name == "postgresql":
+            event.listen(engine.sync_engine, "do_connect", self._refuse_once_cut)
+            event.listen(engine.sync_engine, "connect", lambda dbapi, _record: self.track(dbapi.driver_connection))
+
+    @classmethod
+    def of(cls, engine: AsyncEngine) -> "Cutoff":
+        """``engine``'s cutoff (made on first use)."""
+        found = _BY_ENGINE.get(engine.sync_engine)
+        if found is None:
+            found = _BY_ENGINE[engine.sync_engine] = cls(engine)
+        return found
+
+    def track(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Count ``conn`` among the connections :meth:`cut` shuts down."""
+        self._live.add(conn)
+
+    def refuse_once_cut(self) -> None:
+        """Raise instead of opening a connection after :meth:`cut`."""
+        if self.is_cut:
+            raise psycopg.OperationalError("the daemon is stopping and waits for the database no longer")
+
+    def _refuse_once_cut(self, *_: Any) -> None:
+        self.refuse_once_cut()
+
+    def cut(self) -> None:
+        """Shut down every open connection's socket and open no more."""
+        self.is_cut = True
+        for conn in list(self._live):
+            if not conn.closed:
+                sever(conn)
+
+    async def by(self, deadline: float, work: Awaitable[object]) -> bool:
+        """Await ``work`` until ``deadline`` (the event loop's time): ``True`` if it ended by
+        then (its exception, if any, raised). If the deadline comes first, cut, so the
+        database work in it fails at once, and return ``False`` once it has ended."""
+        task = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait([task], timeout=max(deadline - asyncio.get_running_loop().time(), 0.0))
+        if done:
+            task.result()
+            return True
+        self.cut()
+        # Left a moment to fail on its own: cancelled while a statement still counts as
+        # running, psycopg would ask the server to cancel it after all.
+        await asyncio.wait([task], timeout=SETTLE_SECONDS)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
