@@ -11,12 +11,14 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from outbox.config import load_settings
 from outbox.schema import breakers, messages
+from tests.db_proxies import stalling_proxy
 from tests.ledger import enqueue_many
 from tests.cli_calls import cli, dead_with_an_attempt, one_line, url_of
 
@@ -170,3 +172,27 @@ def test_the_demo_ends_on_its_success_line(tmp_path):
                           env={**env, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, timeout=180)
     assert demo.returncode == 0, demo.stderr
     assert demo.stdout.rstrip().endswith("retries reused the same bytes and key") and demo.stderr == "", demo.stderr
+
+
+def test_a_database_that_never_answers_fails_each_command_within_the_connect_timeout(pg_url):
+    """A pooler or host that accepts the connection and never answers: at the defaults every
+    operator command fails within the connect timeout (15 s) with one line, where it hung."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    with stalling_proxy(pg_url) as (proxy, proxied):
+        proxy.stall()
+        commands = (["migrate"], ["list"], ["keys", "list"], ["status"])
+        started = time.monotonic()
+        running = [subprocess.Popen([sys.executable, "-m", "supervisor.cli", *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                    env={**env, "OUTBOX_DATABASE_URL": proxied, "PYTHONPATH": str(ROOT)})
+                   for args in commands]
+        try:
+            ended = [(args, proc.wait(timeout=60), proc.stderr.read() if proc.stderr else "")
+                     for args, proc in zip(commands, running)]
+        finally:
+            for proc in running:
+                proc.kill()
+        took = time.monotonic() - started
+    for args, code, err in ended:
+        assert code == 1 and one_line(err) and "connection timeout expired" in err, (args, code, err)
+    assert took < 15 + 10, took

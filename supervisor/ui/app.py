@@ -28,6 +28,7 @@ from outbox import store
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
+from supervisor.cycle.pgdirect import bounded_engine_options
 from supervisor.observe import health_stats
 from supervisor.operator import ops
 from supervisor.operator.replay import replay
@@ -90,7 +91,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state["engine"] = make_async_engine(settings.database_url)
+        state["engine"] = make_async_engine(settings.database_url, **bounded_engine_options(settings))
         yield
         await state["engine"].dispose()
 
