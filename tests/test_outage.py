@@ -4,10 +4,12 @@ from the database's own errors (real PostgreSQL, no stand-ins)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import psycopg
 import pytest
 
+from tests.db_proxies import stalling_proxy
 from supervisor.cycle.outage import POOLER_HINT, DatabaseUnavailable, OutageGuard, diagnose
 
 
@@ -37,6 +39,35 @@ def test_other_failures_are_curable(pg_url):
     with pytest.raises(psycopg.OperationalError) as refused:
         psycopg.connect("postgresql://postgres@127.0.0.1:1/postgres", connect_timeout=2)
     assert diagnose(refused.value).curable and diagnose(refused.value).label == "connection"
+
+
+def test_a_connection_that_times_out_or_is_ended_by_the_server_is_named_a_connection_failure(pg_url):
+    """psycopg raises these as subclasses of OperationalError named for the condition: a
+    connection nobody answers (ConnectionTimeout), a backend terminated or a server shutting
+    down (AdminShutdown, 57P01). Both are the database being unreachable, not a statement."""
+    with stalling_proxy(pg_url) as (proxy, proxied):
+        proxy.stall()
+        with pytest.raises(psycopg.OperationalError) as timed_out:
+            psycopg.connect(proxied, connect_timeout=2)
+    with psycopg.connect(pg_url, autocommit=True) as victim, psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (victim.info.backend_pid,))
+        with pytest.raises(psycopg.OperationalError) as ended:
+            for _ in range(50):  # until the backend has gone
+                victim.execute("SELECT 1")
+                time.sleep(0.02)
+    for error in (timed_out.value, ended.value):
+        assert diagnose(error).label == "connection", (type(error).__name__, diagnose(error))
+    assert type(timed_out.value).__name__ == "ConnectionTimeout" and ended.value.sqlstate == "57P01"
+    # A statement the server refused is a statement, even where psycopg calls it operational
+    # (LockNotAvailable, 55P03, is an OperationalError).
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("CREATE TABLE IF NOT EXISTS outage_lock_probe ()")
+        holder.commit()
+        holder.execute("LOCK outage_lock_probe IN ACCESS EXCLUSIVE MODE")
+        refused = _error_of(pg_url, "BEGIN", "LOCK outage_lock_probe IN ACCESS SHARE MODE NOWAIT")
+        holder.rollback()
+        holder.execute("DROP TABLE outage_lock_probe")
+    assert isinstance(refused, psycopg.OperationalError) and diagnose(refused).label == "statement"
 
 
 async def test_claims_that_keep_failing_trip_the_guard_while_other_statements_succeed():

@@ -29,6 +29,8 @@ from supervisor.cycle.pgdirect import StartupOptionsIgnored
 # statement does not exist", 42P05 "already exists", and 08P01 (protocol violation) for a
 # bind that reached another client's statement of the same name.
 _PREPARED_STATES = frozenset({"26000", "42P05"})
+# admin_shutdown (a restart, a terminated backend), crash_shutdown, cannot_connect_now.
+_SHUTDOWN_STATES = frozenset({"57P01", "57P02", "57P03"})
 POOLER_HINT = ("prepared statements through a transaction pooler; set OUTBOX_DATABASE_POOLER=transaction "
                "(docs/pooler.md)")
 STARTUP_HINT = ("a transaction pooler refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
@@ -66,9 +68,22 @@ def diagnose(exc: BaseException) -> Cause:
         return Cause("pooler_startup", DROPPED_HINT)
     if isinstance(error, TimeoutError) or state == "57014":
         return Cause("timeout", "statement timed out (OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS)")
-    if isinstance(error, OSError) or type(error).__name__ in ("OperationalError", "InterfaceError"):
+    if isinstance(error, OSError) or _lost_connection(error, state):
         return Cause("connection", f"database unreachable ({type(error).__name__})")
     return Cause("statement", f"statement failed ({type(error).__name__})")
+
+
+def _lost_connection(error: BaseException, state: str | None) -> bool:
+    """Whether ``error`` says the connection failed or ended, rather than a statement.
+
+    By the error's class names (psycopg's and sqlite3's errors share them, and psycopg's are
+    subclassed per condition: ``ConnectionTimeout``, ``AdminShutdown``), for an error the
+    client raised itself (no SQLSTATE), of the connection exception class (08) or of a
+    server shutting down or starting up (57P01-57P03); not for a server's statement error
+    that is also an ``OperationalError`` (a full disk, too many connections)."""
+    if state is not None and not state.startswith("08") and state not in _SHUTDOWN_STATES:
+        return False
+    return any(kind.__name__ in ("OperationalError", "InterfaceError") for kind in type(error).__mro__)
 
 
 class OutageGuard:
