@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
@@ -204,6 +205,27 @@ class Daemon:
             except asyncio.TimeoutError:
                 pass
 
+    async def _start(self, stop: asyncio.Event) -> bool:
+        """Wait for the schema, then measure the clock, load the signing keys and report the
+        encryption keys; ``False`` if asked to stop meanwhile.
+
+        A database failure in any of these steps is ridden out like an outage at the schema
+        check (counted by the outage guard, retried from the schema check, the daemon ending
+        only past ``OUTBOX_DATABASE_OUTAGE_SECONDS``), where it used to end the daemon at
+        once. A clock beyond tolerance or no key that can sign still ends it: waiting cannot
+        help."""
+        while await self.wait_for_schema(stop):
+            try:
+                await self._measure_clock()  # ClockOffsetError: never sign with a clock receivers reject
+                await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
+                await self.resealer.tick()  # report the encryption keys before the first claim
+            except SQLAlchemyError as exc:
+                await unless_stopped(stop, self.outage.failed("start up", exc))
+                continue
+            self.outage.ok("start up")
+            return True
+        return False
+
     async def _record_the_rest(self, stopped_at: float, recorded_by: float) -> DatabaseUnavailable | None:
         """Record what the attempts left (:meth:`Completer.drain`) before the process ends.
 
@@ -250,11 +272,7 @@ class Daemon:
             self.metrics_address = await self.health.start(self.settings.metrics_addr)
         ready = False
         try:
-            if await self.wait_for_schema(stop):
-                await self._measure_clock()  # ClockOffsetError: never sign with a clock receivers reject
-                await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
-                await self.resealer.tick()  # report the encryption keys before the first claim
-                ready = True
+            ready = await self._start(stop)
         finally:
             if not ready:  # stopped while waiting, or refused: nothing else was started
                 await self.health.close()
