@@ -28,7 +28,7 @@ import psycopg
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["SETTLE_SECONDS", "Cutoff", "sever"]
+__all__ = ["Cutoff", "sever"]
 
 # How long work that was cut is given to fail before it is cancelled.
 SETTLE_SECONDS = 1.0
