@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
+import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
 
 from outbox.config import Settings
 from outbox.db import make_async_engine
-from supervisor.cycle.cutoff import Cutoff
+from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
+from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS
 from supervisor.cycle.pgdirect import DirectConnection
 from tests import procs
 from tests.db_proxies import stalling_proxy
@@ -132,3 +136,35 @@ async def test_a_cut_fails_statements_waiting_on_a_black_hole_at_once_and_opens_
         finally:
             await direct.aclose()
             await engine.dispose()
+
+
+def test_sigterm_while_a_schema_check_goes_unanswered_at_start_stops_the_daemon_at_once(pg_server_url, tmp_path):
+    """A daemon waiting for `outboxd migrate` whose next schema check the database leaves
+    unanswered: nothing is claimed, so SIGTERM cuts the check's connection and the daemon
+    exits 0 at once (cancelling the check instead took 10.2 s, psycopg asking the
+    unreachable server to cancel it)."""
+    name = f"outboxd_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            key, _ = procs.make_key(tmp_path)
+            with stalling_proxy(make_url(pg_server_url).set(database=name).render_as_string(
+                    hide_password=False)) as (proxy, proxied):
+                log = tmp_path / "daemon.log"
+                daemon = procs.start_daemon({k: v for k, v in procs.daemon_env(proxied, key).items()
+                                             if k != "OUTBOX_SHUTDOWN_GRACE_SECONDS"}, log)
+                try:
+                    assert procs.wait_until(lambda: "schema.waiting" in log.read_text(), 30), log.read_text()
+                    proxy.stall()
+                    time.sleep(SCHEMA_POLL_SECONDS + 2)  # the next check has gone out, unanswered
+                    told = time.monotonic()
+                    rc = procs.stop(daemon, timeout=60)
+                    took = time.monotonic() - told
+                finally:
+                    if daemon.poll() is None:
+                        daemon.kill()
+        finally:
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    text = log.read_text(errors="replace")
+    assert rc == 0 and took < SETTLE_SECONDS + 2, f"exit {rc} {took:.1f} s after SIGTERM"
+    assert "daemon.stopped" in text and "cancellation" not in text and "Traceback" not in text, text[-600:]

@@ -94,10 +94,14 @@ class Cutoff:
         if done:
             task.result()
             return True
+        await self.abandon(task)
+        return False
+
+    async def abandon(self, task: asyncio.Future[Any]) -> None:
+        """Cut, then end ``task`` (database work nobody will wait for any longer)."""
         self.cut()
         # Left a moment to fail on its own: cancelled while a statement still counts as
         # running, psycopg would ask the server to cancel it after all.
         await asyncio.wait([task], timeout=SETTLE_SECONDS)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        return False

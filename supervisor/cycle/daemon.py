@@ -180,9 +180,9 @@ class Daemon:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                check = await unless_stopped(stop, _schema_check(self.engine))
+                check = await unless_stopped(stop, _schema_check(self.engine), self.cutoff)
             except Exception as exc:  # the database is down at start: ride it out like any outage
-                await unless_stopped(stop, self.outage.failed("check the schema", exc))
+                await unless_stopped(stop, self.outage.failed("check the schema", exc), self.cutoff)
                 if stop.is_set():
                     return False
                 continue

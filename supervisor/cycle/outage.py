@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import structlog
 
+from supervisor.cycle.cutoff import Cutoff
 from supervisor.cycle.pgdirect import StartupOptionsIgnored
 
 # SQLSTATEs of a prepared statement that is not where the client left it: 26000 "prepared
@@ -152,19 +153,24 @@ class OutageGuard:
 T = TypeVar("T")
 
 
-async def unless_stopped(stop: asyncio.Event, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or ``None`` if ``stop`` is set first (``work`` is then cancelled).
+async def unless_stopped(stop: asyncio.Event, work: Awaitable[T], cutoff: Cutoff | None = None) -> T | None:
+    """``work``'s result, or ``None`` if ``stop`` is set first (``work`` is then cancelled, or,
+    given a ``cutoff``, its connections are cut first: at start, when nothing is claimed).
 
     Waiting for a database that is away (a connect, :meth:`OutageGuard.failed`'s back-off,
     which lasts until ``OUTBOX_DATABASE_OUTAGE_SECONDS`` for a misconfiguration) must not
-    outlast a SIGTERM: what waits so has claimed nothing it must finish."""
+    outlast a SIGTERM: what waits so has claimed nothing it must finish. A statement merely
+    cancelled would first have psycopg ask an unreachable server to cancel it (10 s)."""
     task = asyncio.ensure_future(work)
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+        stopped_first = not task.done()
+        if stopped_first and cutoff is not None:
+            await cutoff.abandon(task)
     finally:
         stopped.cancel()
         if not task.done():
             task.cancel()
         await asyncio.gather(task, stopped, return_exceptions=True)
-    return None if task.cancelled() else task.result()
+    return None if stopped_first else task.result()
