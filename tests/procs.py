@@ -75,6 +75,17 @@ def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: floa
     return proc.wait(timeout)
 
 
+def stop_timed(proc: subprocess.Popen[bytes], timeout: float = 90) -> tuple[int, float]:
+    """SIGTERM ``proc``: its exit status and how many seconds after SIGTERM it came (killed
+    if it is still running after ``timeout``)."""
+    told = time.monotonic()
+    try:
+        return stop(proc, timeout=timeout), time.monotonic() - told
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 _forks: subprocess.Popen[str] | None = None
 
 

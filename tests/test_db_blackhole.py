@@ -87,12 +87,8 @@ def test_sigterm_while_the_database_black_holes_ends_before_the_manifests_kill(p
             assert procs.wait_until(lambda: states(pg_engine)["delivered"] >= 20, 60), daemon_events(log)[-3:]
             proxy.stall()
             time.sleep(1.0)
-            told = time.monotonic()
-            rc = procs.stop(daemon, timeout=90)
-            took = time.monotonic() - told
         finally:
-            if daemon.poll() is None:
-                daemon.kill()
+            rc, took = procs.stop_timed(daemon)
         print(f"\nSIGTERM with the database black-holed: exit {rc} after {took:.1f} s; {exit_line(log)}")
         # The grace (15 s), the recording's floor after it (5 s), the cut work's moment to fail.
         assert rc == 1 and took <= 15 + 5 + 3, f"exit {rc} {took:.1f} s after SIGTERM"
@@ -157,12 +153,8 @@ def test_sigterm_while_a_schema_check_goes_unanswered_at_start_stops_the_daemon_
                     assert procs.wait_until(lambda: "schema.waiting" in log.read_text(), 30), log.read_text()
                     proxy.stall()
                     time.sleep(SCHEMA_POLL_SECONDS + 2)  # the next check has gone out, unanswered
-                    told = time.monotonic()
-                    rc = procs.stop(daemon, timeout=60)
-                    took = time.monotonic() - told
                 finally:
-                    if daemon.poll() is None:
-                        daemon.kill()
+                    rc, took = procs.stop_timed(daemon)
         finally:
             admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
     text = log.read_text(errors="replace")
