@@ -12,8 +12,10 @@ only the client's own statement deadline does.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -26,6 +28,7 @@ from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
 from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS
 from supervisor.cycle.pgdirect import DirectConnection
 from tests import procs
+from tests.console_driver import TOKEN, console_env, signed_in
 from tests.db_proxies import stalling_proxy
 from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key, states
 
@@ -160,3 +163,28 @@ def test_sigterm_while_a_schema_check_goes_unanswered_at_start_stops_the_daemon_
     text = log.read_text(errors="replace")
     assert rc == 0 and took < SETTLE_SECONDS + 2, f"exit {rc} {took:.1f} s after SIGTERM"
     assert "daemon.stopped" in text and "cancellation" not in text and "Traceback" not in text, text[-600:]
+
+
+def test_the_console_answers_and_stops_while_its_database_never_answers(pg_url, tmp_path):
+    """At the defaults (statement timeout and shutdown grace 15 s) a console page whose
+    statement the database leaves unanswered gets a 503 saying so within the timeout, and a
+    SIGTERM meanwhile stops the console once it has answered; the page used to wait for ever
+    and the console with it."""
+    port, log = procs.free_port(), tmp_path / "ui.log"
+    with stalling_proxy(pg_url) as (proxy, proxied), ThreadPoolExecutor(1) as pool:
+        env = {k: v for k, v in console_env(proxied).items() if k != "OUTBOX_SHUTDOWN_GRACE_SECONDS"}
+        console = procs.start_ui({**env, "OUTBOX_UI_TOKEN": TOKEN}, port, log)
+        try:
+            client, _ = signed_in(f"http://127.0.0.1:{port}")
+            assert client.get("/messages").status_code == 200  # a pooled connection, answered
+            proxy.stall()
+            started = time.monotonic()
+            page = pool.submit(client.get, "/messages", timeout=60)
+            time.sleep(2)  # the page waits on the database
+        finally:
+            rc, took = procs.stop_timed(console)  # uvicorn ends on the signal it was sent
+        answer = page.result()
+        waited = time.monotonic() - started
+    assert answer.status_code == 503 and "database did not answer" in answer.text, answer.text[-300:]
+    assert waited < 15 + 5, waited
+    assert rc in (0, -signal.SIGTERM) and took < 15 + 5, (rc, took)

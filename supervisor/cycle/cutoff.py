@@ -28,7 +28,7 @@ import psycopg
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["Cutoff", "sever"]
+__all__ = ["Cutoff", "bound_each_hold", "sever"]
 
 # How long work that was cut is given to fail before it is cancelled.
 SETTLE_SECONDS = 1.0
@@ -42,6 +42,27 @@ def sever(conn: psycopg.AsyncConnection[Any]) -> None:
             sock.shutdown(socket.SHUT_RDWR)
     except (psycopg.Error, OSError):  # closed meanwhile: nothing left to stop
         pass
+
+
+def bound_each_hold(engine: AsyncEngine, seconds: float) -> None:
+    """Sever a connection of ``engine`` held out of its pool longer than ``seconds``.
+
+    For the console, whose pages each hold a connection for a few short statements: a
+    statement the database leaves unanswered then fails at once, the page answers, and the
+    process can stop, where the request waited for ever (no client deadline on the engine's
+    statements; a server-side ``statement_timeout`` is never heard from a black hole)."""
+    if engine.dialect.name != "postgresql":
+        return
+
+    @event.listens_for(engine.sync_engine, "checkout")
+    def _arm(dbapi: Any, record: Any, _proxy: Any) -> None:
+        record.info["sever_at"] = asyncio.get_running_loop().call_later(seconds, sever, dbapi.driver_connection)
+
+    @event.listens_for(engine.sync_engine, "checkin")
+    def _disarm(_dbapi: Any, record: Any) -> None:
+        timer = record.info.pop("sever_at", None)
+        if timer is not None:
+            timer.cancel()
 
 
 class Cutoff:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
@@ -28,6 +29,7 @@ from outbox import store
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
+from supervisor.cycle.cutoff import bound_each_hold
 from supervisor.cycle.pgdirect import bounded_engine_options
 from supervisor.observe import health_stats
 from supervisor.operator import ops
@@ -92,6 +94,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state["engine"] = make_async_engine(settings.database_url, **bounded_engine_options(settings))
+        bound_each_hold(state["engine"], settings.database_statement_timeout_seconds)
         yield
         await state["engine"].dispose()
 
@@ -104,6 +107,12 @@ def make_app(settings: Settings, token: str) -> Starlette:
             "notice": NOTICES.get(request.query_params.get("notice", "")), **context}, status_code=status_code)
         response.headers.update(SECURITY_HEADERS)
         return response
+
+    async def database_unavailable(request: Request, exc: Exception) -> Response:
+        """A page the database could not serve: 503 and why, not a bare 500."""
+        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        return render(request, "error.html", 503, title="Database unavailable",
+                      message=f"The outbox database did not answer ({detail}). Reload once it is back.")
 
     def signed_in(request: Request) -> bool:
         return sessions.csrf(request.cookies.get(COOKIE)) is not None
@@ -251,7 +260,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         return response
 
     kit = Kit(render=render, action_form=action_form, signed_in=signed_in, engine=lambda: state["engine"])
-    return Starlette(lifespan=lifespan, routes=[
+    return Starlette(lifespan=lifespan, exception_handlers={SQLAlchemyError: database_unavailable}, routes=[
         *recovery.routes(kit),
         Route("/login", login, methods=["GET", "POST"]),
         Route("/", overview),

@@ -38,5 +38,7 @@ def serve(settings: Settings) -> int:
           file=sys.stderr, flush=True)
     if not _is_loopback(host):
         print(f"outboxd ui: warning: listening on {host}, not loopback: put TLS in front of it", file=sys.stderr)
-    uvicorn.run(make_app(settings, token), host=host, port=port, log_level="warning", access_log=False)
+    # A page still waiting when told to stop gets the shutdown grace, as the daemon's requests do.
+    uvicorn.run(make_app(settings, token), host=host, port=port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=settings.shutdown_grace_seconds)
     return 0
