@@ -256,8 +256,9 @@ class Daemon:
                              hint="set OUTBOX_LISTEN_DATABASE_URL to a direct connection for millisecond wake-ups")
             return []
         options = connect_options(self.settings)
-        return [asyncio.create_task(listen(url, self.claimer.wake, options=options), name="wakeup"),
-                asyncio.create_task(listen(url, self.keys.wake, KEYRING_CHANNEL, options=options),
+        return [asyncio.create_task(listen(url, self.claimer.wake, options=options, cutoff=self.cutoff),
+                                    name="wakeup"),
+                asyncio.create_task(listen(url, self.keys.wake, KEYRING_CHANNEL, options=options, cutoff=self.cutoff),
                                     name="keyring-wakeup")]
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -322,6 +323,8 @@ class Daemon:
             grace_ends = stopped_at + self.settings.shutdown_grace_seconds
             self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
             self.claimer.stop()
+            if isinstance(failure, DatabaseUnavailable):  # past the outage bound: nothing to wait for
+                self.cutoff.cut()
             await self.cutoff.by(grace_ends, asyncio.gather(claimer, return_exceptions=True))  # a claim unanswered
             recorded_by = grace_ends
             if failure is None:

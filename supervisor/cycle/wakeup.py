@@ -19,6 +19,7 @@ import structlog
 
 from outbox.config import Settings
 from outbox.store import CHANNEL
+from supervisor.cycle.cutoff import Cutoff
 from supervisor.cycle.pgdirect import libpq_url
 
 
@@ -30,18 +31,23 @@ def listen_url(settings: Settings) -> str | None:
 
 
 async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL,
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None, cutoff: Cutoff | None = None) -> None:
     """Call ``on_notify`` for each notification on ``channel``, forever, reconnecting with back-off.
 
     ``options`` are libpq's connection options (timeouts and keepalives: a dead peer is
-    noticed, and the connection made again).
+    noticed, and the connection made again). The connection counts among ``cutoff``'s: a
+    stop that cuts the daemon's connections cuts this one too, rather than cancelling it.
     """
     log = structlog.get_logger("outboxd.wakeup")
     delay = 0.5
     while True:
         try:
+            if cutoff is not None:
+                cutoff.refuse_once_cut()
             async with await psycopg.AsyncConnection.connect(libpq_url(url), autocommit=True,
                                                              **(options or {})) as conn:
+                if cutoff is not None:
+                    cutoff.track(conn)
                 await conn.execute(f"LISTEN {channel}")
                 delay = 0.5
                 on_notify()  # anything committed while we were away is picked up now
