@@ -161,7 +161,8 @@ def test_sigterm_while_a_schema_check_goes_unanswered_at_start_stops_the_daemon_
         finally:
             admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
     text = log.read_text(errors="replace")
-    assert rc == 0 and took < SETTLE_SECONDS + 2, f"exit {rc} {took:.1f} s after SIGTERM"
+    print(f"\nSIGTERM with a schema check unanswered: exit {rc} after {took:.1f} s")
+    assert rc == 0 and took < SETTLE_SECONDS + 4, f"exit {rc} {took:.1f} s after SIGTERM"
     assert "daemon.stopped" in text and "cancellation" not in text and "Traceback" not in text, text[-600:]
 
 
