@@ -17,6 +17,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import psycopg
 import pytest
 from sqlalchemy import text
@@ -27,6 +28,7 @@ from outbox.db import make_async_engine
 from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
 from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS
 from supervisor.cycle.pgdirect import DirectConnection
+from supervisor.observe.health import READY_CACHE_SECONDS, READY_CHECK_SECONDS
 from tests import procs
 from tests.console_driver import TOKEN, console_env, signed_in
 from tests.db_proxies import stalling_proxy
@@ -189,3 +191,26 @@ def test_the_console_answers_and_stops_while_its_database_never_answers(pg_url, 
     assert answer.status_code == 503 and "database did not answer" in answer.text, answer.text[-300:]
     assert waited < 15 + 5, waited
     assert rc in (0, -signal.SIGTERM) and took < 15 + 5, (rc, took)
+
+
+def test_readyz_fails_within_its_check_time_while_the_database_never_answers(pg_url, tmp_path):
+    """`/readyz` on a daemon whose database stopped answering: 503 once its check's time has
+    passed (the check cuts its connection), not 10 s later for psycopg's cancel request."""
+    key, _ = procs.make_key(tmp_path)
+    port, log = procs.free_port(), tmp_path / "daemon.log"
+    with stalling_proxy(pg_url) as (proxy, proxied):
+        daemon = procs.start_daemon(procs.daemon_env(proxied, key, metrics_addr=f"127.0.0.1:{port}"), log)
+        try:
+            assert procs.wait_until(lambda: "daemon.started" in log.read_text(), 30), log.read_text()[-500:]
+            assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
+            proxy.stall()
+            time.sleep(READY_CACHE_SECONDS + 0.5)
+            started = time.monotonic()
+            answer = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=60)
+            waited = time.monotonic() - started
+        finally:
+            procs.stop_timed(daemon)
+    print(f"\n/readyz with the database black-holed: {answer.status_code} after {waited:.1f} s")
+    # The check's own cut, or the backstop a second later for a check still connecting.
+    assert answer.status_code == 503 and waited < READY_CHECK_SECONDS + 4, (answer.status_code, waited)
+    assert "cancellation" not in log.read_text(errors="replace")

@@ -37,7 +37,7 @@ from supervisor.cycle.attempt import Outcome, attempt
 from supervisor.cycle.claimer import Claimer
 from supervisor.cycle.clock import ClockOffsetError, DatabaseClock
 from supervisor.cycle.completer import Completer
-from supervisor.observe.health import HealthServer
+from supervisor.observe.health import READY_CHECK_SECONDS, HealthServer
 from supervisor.operator.jobs import JobRunner
 from supervisor.keys.keyring import CHANNEL as KEYRING_CHANNEL
 from supervisor.keys.keyring_cache import CachedKeyring
@@ -48,7 +48,7 @@ from supervisor.cycle.reporting_handoff import run_handoff
 from supervisor.cycle.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
-from supervisor.cycle.cutoff import Cutoff
+from supervisor.cycle.cutoff import Cutoff, sever
 from supervisor.cycle.pgdirect import check_each_connection, connect_options, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
 
@@ -77,9 +77,19 @@ RECORDING_FLOOR_SECONDS = 5.0
 SCHEMA_LOG_SECONDS = 60.0
 
 
-async def _schema_check(engine: AsyncEngine) -> SchemaCheck:
+async def _schema_check(engine: AsyncEngine, within: float | None = None) -> SchemaCheck:
+    """The database's schema against this release's; on PostgreSQL, ``within`` seconds cut the
+    check's connection (:func:`sever`), so a database that does not answer fails it then,
+    where cancelling it would have psycopg ask the unreachable server to cancel (10 s)."""
     async with engine.connect() as conn:
-        return await conn.run_sync(check_schema)
+        if within is None or engine.dialect.name != "postgresql":
+            return await conn.run_sync(check_schema)
+        raw = await conn.get_raw_connection()
+        timer = asyncio.get_running_loop().call_later(within, sever, raw.driver_connection)
+        try:
+            return await conn.run_sync(check_schema)
+        finally:
+            timer.cancel()
 
 
 def daemon_engine(settings: Settings) -> AsyncEngine:
@@ -135,7 +145,7 @@ class Daemon:
     async def _problem(self) -> str | None:
         """Why ``/readyz`` must fail now: an activity that keeps failing, the schema, or messages
         held for an encryption key this process lacks."""
-        return (self.outage.problem() or (await _schema_check(self.engine)).problem()
+        return (self.outage.problem() or (await _schema_check(self.engine, READY_CHECK_SECONDS)).problem()
                 or held_line(self.resealer.unopenable))
 
     def _attempt(self) -> Callable[[Claimed], Awaitable[Outcome]]:

@@ -17,6 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from supervisor.observe.metrics import Metrics
 
 READY_CACHE_SECONDS = 2.0
+# How long ``/readyz`` waits for its check; the daemon's check cuts its own connection then,
+# and the wait here, a second longer, is only the backstop.
+READY_CHECK_SECONDS = 5.0
 
 
 def parse_addr(addr: str, setting: str = "OUTBOX_METRICS_ADDR") -> tuple[str, int]:
@@ -54,7 +57,7 @@ class HealthServer:
         checked_at, problem = self._ready
         if time.monotonic() - checked_at > READY_CACHE_SECONDS:
             try:
-                problem = await asyncio.wait_for(self._ready_check(), 5.0)
+                problem = await asyncio.wait_for(self._ready_check(), READY_CHECK_SECONDS + 1.0)
             except Exception as exc:
                 problem = f"database check failed: {type(exc).__name__}"
             self._ready = (time.monotonic(), problem)
