@@ -176,7 +176,7 @@ def test_the_demo_ends_on_its_success_line(tmp_path):
 
 def test_a_database_that_never_answers_fails_each_command_within_the_connect_timeout(pg_url):
     """A pooler or host that accepts the connection and never answers: at the defaults every
-    operator command fails within the connect timeout (15 s) with one line, where it hung."""
+    operator command fails within the connect timeout (15 s) with one line, never hangs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     with stalling_proxy(pg_url) as (proxy, proxied):
         proxy.stall()

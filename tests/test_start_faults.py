@@ -1,6 +1,6 @@
 """A database that fails while the daemon starts, after the schema check (loading the signing
 keys): the daemon rides it out as it rides out an outage at the schema check, and starts
-delivering once the database answers, instead of exiting at once.
+delivering once the database answers.
 
 The failure is real: the daemon's role loses, then gets back, the right to read the keyring.
 """

@@ -4,8 +4,8 @@ A database that stops answering without closing anything (a network black hole, 
 pooler) leaves every statement waiting for its deadline, and a new connection waiting for
 the connect timeout. Cancelling a waiting statement does not help: psycopg first asks the
 server to cancel it, through a new connection to the same unreachable address, for up to
-10 s more per connection. A stop that waited so, step after step, ran past the 30 s the
-shipped manifests allow before SIGKILL (docs/operations.md, "Stopping").
+10 s more per connection. A stop that waited so, step after step, would run past the 30 s
+the shipped manifests allow before SIGKILL (docs/operations.md, "Stopping").
 
 So the daemon cuts instead, when its stop has waited for the database as long as it may:
 every PostgreSQL connection it holds (its engine's and the claimer's and completer's own)
@@ -49,7 +49,7 @@ def bound_each_hold(engine: AsyncEngine, seconds: float) -> None:
 
     For the console, whose pages each hold a connection for a few short statements: a
     statement the database leaves unanswered then fails at once, the page answers, and the
-    process can stop, where the request waited for ever (no client deadline on the engine's
+    process can stop; nothing else would end it (no client deadline on the engine's
     statements; a server-side ``statement_timeout`` is never heard from a black hole)."""
     if engine.dialect.name != "postgresql":
         return

@@ -221,9 +221,9 @@ class Daemon:
 
         A database failure in any of these steps is ridden out like an outage at the schema
         check (counted by the outage guard, retried from the schema check, the daemon ending
-        only past ``OUTBOX_DATABASE_OUTAGE_SECONDS``), where it used to end the daemon at
-        once. A clock beyond tolerance or no key that can sign still ends it: waiting cannot
-        help."""
+        only past ``OUTBOX_DATABASE_OUTAGE_SECONDS``): a restart of the database while the
+        daemon starts is not a reason to exit. A clock beyond tolerance or no key that can
+        sign ends it: waiting cannot help."""
         while await self.wait_for_schema(stop):
             try:
                 await self._measure_clock()  # ClockOffsetError: never sign with a clock receivers reject
