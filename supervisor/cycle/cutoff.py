@@ -99,12 +99,13 @@ class Cutoff:
     def _refuse_once_cut(self, *_: Any) -> None:
         self.refuse_once_cut()
 
-    def cut(self) -> None:
-        """Shut down every open connection's socket and open no more."""
+    def cut(self) -> int:
+        """Shut down every open connection's socket and open no more; how many were open."""
         self.is_cut = True
-        for conn in list(self._live):
-            if not conn.closed:
-                sever(conn)
+        open_now = [conn for conn in list(self._live) if not conn.closed]
+        for conn in open_now:
+            sever(conn)
+        return len(open_now)
 
     async def by(self, deadline: float, work: Awaitable[object]) -> bool:
         """Await ``work`` until ``deadline`` (the event loop's time): ``True`` if it ended by
@@ -120,9 +121,9 @@ class Cutoff:
 
     async def abandon(self, task: asyncio.Future[Any]) -> None:
         """Cut, then end ``task`` (database work nobody will wait for any longer)."""
-        self.cut()
-        # Left a moment to fail on its own: cancelled while a statement still counts as
-        # running, psycopg would ask the server to cancel it after all.
-        await asyncio.wait([task], timeout=SETTLE_SECONDS)
+        if self.cut():
+            # Left a moment to fail on its own: cancelled while a statement still counts as
+            # running, psycopg would ask the server to cancel it after all.
+            await asyncio.wait([task], timeout=SETTLE_SECONDS)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
