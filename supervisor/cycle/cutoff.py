@@ -21,14 +21,15 @@ import asyncio
 import os
 import socket
 import weakref
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["Cutoff", "bound_each_hold", "sever"]
+__all__ = ["Cutoff", "bound_each_hold", "sever", "severed_after"]
 
 # How long work that was cut is given to fail before it is cancelled.
 SETTLE_SECONDS = 1.0
@@ -42,6 +43,24 @@ def sever(conn: psycopg.AsyncConnection[Any]) -> None:
             sock.shutdown(socket.SHUT_RDWR)
     except (psycopg.Error, OSError):  # closed meanwhile: nothing left to stop
         pass
+
+
+@contextmanager
+def severed_after(conn: psycopg.AsyncConnection[Any], seconds: float) -> Iterator[Callable[[], bool]]:
+    """Within the block, ``conn`` is severed once ``seconds`` have passed: a statement the
+    database leaves unanswered fails then. Yields whether that has happened."""
+    severed = False
+
+    def expire() -> None:
+        nonlocal severed
+        severed = True
+        sever(conn)
+
+    timer = asyncio.get_running_loop().call_later(seconds, expire)
+    try:
+        yield lambda: severed
+    finally:
+        timer.cancel()
 
 
 def bound_each_hold(engine: AsyncEngine, seconds: float) -> None:
@@ -76,7 +95,7 @@ class Cutoff:
         self._live: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
         self.is_cut = False
         if engine.dialect.name == "postgresql":
-            event.listen(engine.sync_engine, "do_connect", self._refuse_once_cut)
+            event.listen(engine.sync_engine, "do_connect", lambda *_: self.refuse_once_cut())
             event.listen(engine.sync_engine, "connect", lambda dbapi, _record: self.track(dbapi.driver_connection))
 
     @classmethod
@@ -95,9 +114,6 @@ class Cutoff:
         """Raise instead of opening a connection after :meth:`cut`."""
         if self.is_cut:
             raise psycopg.OperationalError("the daemon is stopping and waits for the database no longer")
-
-    def _refuse_once_cut(self, *_: Any) -> None:
-        self.refuse_once_cut()
 
     def cut(self) -> int:
         """Shut down every open connection's socket and open no more; how many were open."""

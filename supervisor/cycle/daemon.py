@@ -19,6 +19,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import structlog
@@ -48,7 +49,7 @@ from supervisor.cycle.reporting_handoff import run_handoff
 from supervisor.cycle.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
-from supervisor.cycle.cutoff import Cutoff, sever
+from supervisor.cycle.cutoff import Cutoff, severed_after
 from supervisor.cycle.pgdirect import check_each_connection, connect_options, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
 
@@ -79,17 +80,15 @@ SCHEMA_LOG_SECONDS = 60.0
 
 async def _schema_check(engine: AsyncEngine, within: float | None = None) -> SchemaCheck:
     """The database's schema against this release's; on PostgreSQL, ``within`` seconds cut the
-    check's connection (:func:`sever`), so a database that does not answer fails it then,
+    check's connection (:func:`severed_after`), so a database that does not answer fails it then,
     where cancelling it would have psycopg ask the unreachable server to cancel (10 s)."""
     async with engine.connect() as conn:
         if within is None or engine.dialect.name != "postgresql":
+            bound: AbstractContextManager[object] = nullcontext()
+        else:
+            bound = severed_after((await conn.get_raw_connection()).driver_connection, within)
+        with bound:
             return await conn.run_sync(check_schema)
-        raw = await conn.get_raw_connection()
-        timer = asyncio.get_running_loop().call_later(within, sever, raw.driver_connection)
-        try:
-            return await conn.run_sync(check_schema)
-        finally:
-            timer.cancel()
 
 
 def daemon_engine(settings: Settings) -> AsyncEngine:

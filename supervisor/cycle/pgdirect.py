@@ -44,7 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql import ClauseElement
 
 from outbox.config import Settings
-from supervisor.cycle.cutoff import Cutoff, sever
+from supervisor.cycle.cutoff import Cutoff, severed_after
 
 __all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "bounded_engine_options",
            "check_each_connection", "check_startup_options", "connect_options", "startup_options"]
@@ -281,22 +281,13 @@ class DirectConnection:
         statement first, through a new connection to the same unreachable address, for up
         to 10 s more.)
         """
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            expired = True
-            sever(conn)
-
-        timer = asyncio.get_running_loop().call_later(self._timeout, expire)
-        try:
-            yield
-        except psycopg.Error as exc:
-            if expired:
-                raise TimeoutError(f"no answer from the database within {self._timeout:g} s") from exc
-            raise
-        finally:
-            timer.cancel()
+        with severed_after(conn, self._timeout) as expired:
+            try:
+                yield
+            except psycopg.Error as exc:
+                if expired():
+                    raise TimeoutError(f"no answer from the database within {self._timeout:g} s") from exc
+                raise
 
     async def _forget_if_unusable(self, conn: psycopg.AsyncConnection[Any], exc: BaseException) -> None:
         """Drop a connection that is broken or timed out (its state is unknown): the next
