@@ -32,12 +32,16 @@ class StallingProxy:
         self.stalled.set()
 
     def close(self) -> None:
+        """Close every socket, shutting it down first: a socket closed while a pump thread
+        waits in ``recv`` on it stays open until that ``recv`` returns, so the server would
+        keep the session (and any locks of its open transaction) after the proxy is gone."""
         self._closed.set()
         for s in self._sockets:
-            try:
-                s.close()
-            except OSError:
-                pass
+            for end in (lambda: s.shutdown(socket.SHUT_RDWR), s.close):
+                try:
+                    end()
+                except OSError:
+                    pass
 
     def _accept(self) -> None:
         while not self._closed.is_set():

@@ -27,7 +27,7 @@ from outbox.config import Settings
 from outbox.db import make_async_engine
 from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
 from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS
-from supervisor.cycle.pgdirect import DirectConnection
+from supervisor.cycle.pgdirect import DirectConnection, connect_options, startup_options
 from supervisor.observe.health import READY_CACHE_SECONDS, READY_CHECK_SECONDS
 from tests import procs
 from tests.console_driver import TOKEN, console_env, signed_in
@@ -105,6 +105,39 @@ def test_sigterm_while_the_database_black_holes_ends_before_the_manifests_kill(p
         finally:
             procs.stop(daemon)
         assert check_ledger(pg_engine, [arrivals_log])["delivered"] == total
+
+
+def test_a_transaction_a_black_hole_orphaned_ends_within_the_statement_timeout(pg_engine, pg_url):
+    """A black hole that swallows a transaction's next statement leaves the server waiting on a
+    client that is gone, holding the rows it locked (a completion's message updates). On the
+    daemon's connections, at the defaults, the server ends that transaction after the
+    statement timeout (15 s), so those messages are free again before their leases (30 s)
+    end; without it they stay locked until the server's TCP keepalives give up, hours later."""
+    settings = Settings(database_url=pg_url)
+    enqueue_batch(pg_engine, [("t0", "https://buyer.example/hook", message_key("orphan", 0))])
+    locked = "SELECT id FROM outbox_messages FOR UPDATE NOWAIT"
+    with stalling_proxy(pg_url) as (proxy, proxied):
+        orphan = psycopg.connect(proxied, **connect_options(settings), **startup_options(settings))
+        orphan.execute("SELECT id FROM outbox_messages FOR UPDATE")  # a transaction holding the row
+        proxy.stall()
+        started = time.monotonic()
+        with psycopg.connect(pg_url, autocommit=True) as probe:
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                probe.execute(locked)
+            freed = procs.wait_until(lambda: _lockable(probe, locked), settings.database_statement_timeout_seconds + 15)
+        took = time.monotonic() - started
+        orphan.pgconn.finish()  # the client side goes too (its socket to the stalled proxy)
+    print(f"\nrow freed {took:.1f} s after the black hole")
+    assert freed and took <= settings.database_statement_timeout_seconds + 3, f"{took:.1f} s"
+
+
+def _lockable(conn: psycopg.Connection, sql: str) -> bool:
+    try:
+        with conn.transaction():
+            conn.execute(sql)
+        return True
+    except psycopg.errors.LockNotAvailable:
+        return False
 
 
 async def test_a_cut_fails_statements_waiting_on_a_black_hole_at_once_and_opens_nothing_more(pg_url):

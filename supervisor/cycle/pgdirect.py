@@ -84,11 +84,18 @@ STARTUP_CHECK = "SELECT setting FROM pg_settings WHERE name = 'statement_timeout
 
 def startup_options(settings: Settings) -> dict[str, Any]:
     """The ``options`` startup parameter of a connection straight to PostgreSQL: a server-side
-    statement timeout of the outage deadline (a statement that long is an outage). None
-    behind a transaction pooler, which refuses or drops it (its ``query_timeout`` serves)."""
+    statement timeout of the outage deadline (a statement that long is an outage), and an
+    idle-in-transaction timeout of the statement timeout. The daemon never leaves a
+    transaction waiting on itself between statements; one left waiting that long has lost its
+    client to a black hole or a crash, and ending it frees the rows it locked (messages
+    being recorded as delivered) before their leases end, where the server would otherwise
+    keep them locked until its TCP keepalives give up, hours later. None behind a transaction
+    pooler, which refuses or drops the parameter (its ``query_timeout`` and
+    ``idle_transaction_timeout`` serve)."""
     if settings.database_pooler != "none":
         return {}
-    return {"options": f"-c statement_timeout={_timeout_ms(settings)}"}
+    idle_ms = int(settings.database_statement_timeout_seconds * 1000)
+    return {"options": f"-c statement_timeout={_timeout_ms(settings)} -c idle_in_transaction_session_timeout={idle_ms}"}
 
 
 def check_startup_options(setting: str | None, settings: Settings) -> None:
