@@ -20,7 +20,7 @@ from outbox.db import make_async_engine
 from outbox.errors import OutboxValidationError
 from outbox.schema import attempts, messages
 from outbox.sealing import CREDENTIAL
-from outbox.urls import endpoint_origin, public_url, redact_urls
+from outbox.urls import _URL_IN_TEXT, endpoint_origin, public_url, redact_urls
 from sinks.fanout import SinkFanout
 from supervisor.cycle.attempt import attempt
 from supervisor.cli import main
@@ -212,6 +212,15 @@ def test_redaction_keeps_only_scheme_host_and_path(text_in, shown):
     assert redact_urls(text_in) == shown
     if text_in.startswith("https://"):
         assert public_url(text_in) == shown
+
+
+@hsettings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["https://", "x://", "u:p@", "h.example", ":8443", "/p", "?q=1", "#f", "@", "?",
+                                  "#", " ", '"', "<", "a", ":", "/"]), max_size=12).map("".join))
+def test_redaction_skips_only_texts_it_would_not_change(text_in):
+    """The search is skipped for a text without ``@``, ``?`` or ``#``; it never changes what is shown."""
+    searched = _URL_IN_TEXT.sub(lambda match: public_url(match.group(0)), text_in)
+    assert redact_urls(text_in) == searched
 
 
 def test_log_lines_lose_every_urls_secrets(capsys):
