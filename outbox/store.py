@@ -32,6 +32,9 @@ from outbox.sealing import OVERHEAD
 from outbox.urls import endpoint_origin
 
 CHANNEL = "outbox_wakeup"
+# Arrivals one claim folds at most (PostgreSQL): 0.1-0.25 s of folding on a 2-vCPU box,
+# where 10,000,000 in one statement took 14.8 s (docs/architecture.md, "Claiming ahead").
+FOLD_LIMIT = 50_000
 _PG_TYPES = {"int": "bigint", "float": "float8", "text": "text", "bool": "boolean"}
 
 
@@ -61,9 +64,17 @@ class _Statements:
         # PostgreSQL, before each claim: fold what became due since (the arrivals the
         # triggers of migration 0014 append) into the endpoints and origins the claim walks.
         # Every arrival rewrites its rows, even with an unchanged due time, so a claim that
-        # read them before cannot write back a due time computed without the new work.
-        self.gather_due = text("""
-            WITH arrived AS (DELETE FROM outbox_due_arrivals RETURNING tenant_id, origin, due),
+        # read them before cannot write back a due time computed without the new work. At
+        # most FOLD_LIMIT arrivals a claim: arrivals left by hours without a daemon (or by
+        # daemons of the release before these tables) are folded over the next claims, where
+        # one statement folding them all could outlast the server's statement timeout, and
+        # be cancelled, every time.
+        self.gather_due = text(f"""
+            WITH arrived AS (
+                DELETE FROM outbox_due_arrivals
+                WHERE ctid = ANY(ARRAY(SELECT ctid FROM outbox_due_arrivals LIMIT {FOLD_LIMIT}))
+                RETURNING tenant_id, origin, due
+            ),
             endpoints AS (
                 INSERT INTO outbox_due_endpoints AS d (origin, tenant_id, due)
                 SELECT origin, tenant_id, min(due) FROM arrived GROUP BY origin, tenant_id ORDER BY origin, tenant_id
@@ -119,7 +130,11 @@ class _Statements:
               AND state = 'pending'
             RETURNING id, tenant_id, origin
         """)
-        self.next_due = text(f"SELECT min(next_attempt_at), {now} FROM outbox_messages WHERE state = 'pending'")
+        pending = "FROM outbox_messages WHERE state = 'pending'"
+        self.next_due = text(f"SELECT min(next_attempt_at), {now} {pending}")
+        # The idle claimer's look ahead: the same, and whether arrivals are left to fold.
+        unfolded = "EXISTS (SELECT 1 FROM outbox_due_arrivals)" if pg else "0"
+        self.idle_outlook = text(f"SELECT min(next_attempt_at), {now}, {unfolded} {pending}")
         # Gauges read only the partial indexes of live rows: their cost is what is due,
         # never the history (delivered and dead are counters, outbox_deliveries_total).
         self.live_counts = text("SELECT (SELECT count(*) FROM outbox_messages WHERE state = 'pending'),"
@@ -376,6 +391,14 @@ async def next_due_at(conn: AsyncConnection) -> tuple[float | None, float]:
     """When the earliest pending message is due, and the database's time now (one query)."""
     due, now = (await conn.execute(sql(conn).next_due)).one()
     return (None if due is None else float(due)), float(now)
+
+
+async def idle_outlook(conn: AsyncConnection) -> tuple[float | None, float, bool]:
+    """:func:`next_due_at`, and whether due arrivals are left to fold (PostgreSQL): a claim
+    folds at most :data:`FOLD_LIMIT`, so an idle claimer with arrivals left claims again at
+    once instead of waiting a poll for each batch of them (one query)."""
+    due, now, unfolded = (await conn.execute(sql(conn).idle_outlook)).one()
+    return (None if due is None else float(due)), float(now), bool(unfolded)
 
 
 async def purge_batch(conn: AsyncConnection, *, older_than: float, horizon_seconds: int, limit: int) -> int:

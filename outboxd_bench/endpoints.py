@@ -58,12 +58,10 @@ def _backlog(bench: Bench, endpoints: int, per_endpoint: int, prefix: str) -> No
     committed at once and folded into the due tables as a claim would, then vacuumed."""
     from sqlalchemy import text
 
-    from outbox.store import _STATEMENTS
-
     with bench.engine.begin() as conn:
         bench.insert_due_sql(conn, endpoints * per_endpoint, bench.main.url("/ok"), prefix, tenants=endpoints)
     with bench.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(_STATEMENTS[True].gather_due)
+        bench.fold_arrivals(conn)
         conn.execute(text("VACUUM (ANALYZE) outbox_messages, outbox_due_endpoints, outbox_due_origins"))
 
 

@@ -290,6 +290,17 @@ class Bench:
             FROM generate_series(1, :n) AS g, LATERAL (SELECT :prefix || g AS key) AS k
         """), {"n": count, "url": url, "prefix": f"whk_{prefix}_{self.run_id}_", "tenants": tenants})
 
+    @staticmethod
+    def fold_arrivals(conn: Any) -> None:
+        """Fold every due arrival into the due tables, as the daemon's claims would: each
+        claim folds at most ``FOLD_LIMIT`` (outbox/store.py), a bulk insert many more."""
+        from sqlalchemy import text
+
+        from outbox.store import _STATEMENTS
+
+        while conn.execute(text("SELECT EXISTS (SELECT 1 FROM outbox_due_arrivals)")).scalar():
+            conn.execute(_STATEMENTS[True].gather_due)
+
     def sample(self) -> bytes:
         """A real producer body (enqueued and rolled back) for the bare loop to POST."""
         from sqlalchemy import text

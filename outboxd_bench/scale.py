@@ -54,8 +54,6 @@ def phase_scale(bench: Bench) -> dict[str, Any]:
 def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
     from sqlalchemy import text
 
-    from outbox.store import _STATEMENTS
-
     bench.truncate()
     insert_seconds = 0.0
     with bench.engine.begin() as conn:
@@ -68,7 +66,7 @@ def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
         bench.insert_due_sql(conn, SCALE_DUE_ROWS, bench.main.url("/ok"), "scale")
     with bench.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text(f"SET statement_timeout = '{int(SCALE_TIMEOUT)}s'"))
-        conn.execute(_STATEMENTS[True].gather_due)  # what the daemon runs before each claim
+        bench.fold_arrivals(conn)  # what the daemon's claims do
         conn.execute(text("VACUUM (ANALYZE) outbox_messages"))  # what autovacuum would soon do
         conn.execute(text("RESET statement_timeout"))
         size = conn.execute(text("SELECT pg_total_relation_size('outbox_messages')")).scalar_one()

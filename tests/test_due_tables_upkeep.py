@@ -1,7 +1,7 @@
 """The claim's due tables stay the size of what is live, whatever burst went through them.
 
-Every claim's fold deletes all of ``outbox_due_arrivals``, so it reads the whole table, dead
-rows included: after a burst it read every page the burst's arrivals took until a vacuum
+Every claim's fold deletes what ``outbox_due_arrivals`` holds (up to ``FOLD_LIMIT``),
+reading it from the start, dead rows included: after a burst it read every page the burst's arrivals took until a vacuum
 came, and autovacuum may come a minute later or never (it is off on some servers, this
 one's included). The daemon's maintenance vacuums the due tables once they hold dead rows
 (:func:`supervisor.cycle.maintenance.vacuum_due_tables`). Real PostgreSQL, real statistics.
@@ -155,3 +155,47 @@ def test_the_daemons_maintenance_vacuums_a_burst_away_with_its_defaults(pg_engin
     asyncio.run(run())
     assert _vacuums(pg_engine, "outbox_due_arrivals") > vacuums, "the maintenance never vacuumed the arrivals"
     assert _dead_rows(pg_engine, "outbox_due_arrivals") < BURST, "the vacuum left the burst's arrivals"
+
+
+def test_a_daemon_started_on_a_backlog_of_arrivals_delivers_within_its_statement_deadline(pg_engine, pg_url,
+                                                                                         tmp_path) -> None:
+    """Arrivals pile up while no daemon of this release runs (hours without one, or daemons
+    of the release before the due tables, which deliver without folding). A claim folds at
+    most ``FOLD_LIMIT`` of them, so each claim stays within the server-side statement
+    timeout (``OUTBOX_DATABASE_OUTAGE_SECONDS``) and the daemon delivers what is behind the
+    pile. Folded in one statement, a pile takes as long as it is big (10,000,000 arrivals:
+    14.8 s on a 2-vCPU box, so some 40,000,000 pass the default 60 s): the server cancels it,
+    the claim rolls back, and so does every claim after, until the outage bound ends the
+    daemon, which restarts into the same pile. Here 1,500,000 arrivals of another origin's
+    endpoints and a 2 s timeout (the setting is not what is tested; it keeps the pile small)."""
+    from tests import procs
+    from tests.ledger import daemon_events, enqueue_batch, finished, message_key
+
+    key, jwks = procs.make_key(tmp_path)
+    total = 40
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, _):
+        url = f"http://127.0.0.1:{port}/hook"
+        with pg_engine.begin() as conn:
+            conn.execute(text("""
+                INSERT INTO outbox_due_arrivals (tenant_id, origin, due)
+                SELECT 'gone' || (g % 1000), 'https://gone.example', extract(epoch FROM now())
+                FROM generate_series(1, :n) AS g
+            """), {"n": 1_500_000})
+        enqueue_batch(pg_engine, [(f"t{i % 4}", url, message_key("pile", i)) for i in range(total)])
+        log = tmp_path / "daemon.log"
+        daemon = procs.start_daemon(procs.daemon_env(pg_url, key, database_statement_timeout_seconds=1,
+                                                      database_outage_seconds=2), log)
+        try:
+            started = time.monotonic()
+            delivered = procs.wait_until(lambda: finished(pg_engine, total, final=("delivered",)), 60)
+            took = time.monotonic() - started
+            assert delivered, daemon_events(log)[-3:]
+            assert procs.wait_until(lambda: _count(pg_engine, "outbox_due_arrivals") == 0, 30)
+        finally:
+            procs.stop(daemon)
+    print(f"\n{total} delivered {took:.1f} s after the start, behind 1,500,000 arrivals")
+
+
+def _count(engine, table: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()

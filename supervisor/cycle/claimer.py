@@ -151,8 +151,11 @@ class Claimer:
                     backoff = CONTENDED_BACKOFF_SECONDS * 2 ** min(contended - 2, 16)
                     timeout = min(timeout, backoff * random.uniform(0.5, 1.0))
                 elif not batch and not self._tasks and not self._dispatch.queued:
-                    # idle: sleep until the earliest retry, at most a poll
-                    next_due, now = await self._next_due()
+                    # idle: sleep until the earliest retry, at most a poll; claim again at once
+                    # while arrivals are left to fold (a backlog of them after an outage)
+                    next_due, now, unfolded = await self._outlook()
+                    if unfolded:
+                        continue
                     if next_due is not None and next_due > now:
                         timeout = min(timeout, next_due - now)
                 # A partial batch took everything that may go now; a NOTIFY, a request ending
@@ -266,9 +269,9 @@ class Claimer:
                 self._refills.add(message.origin or "")  # its queue runs low with work left behind
                 self._wake.set()
 
-    async def _next_due(self) -> tuple[float | None, float]:
+    async def _outlook(self) -> tuple[float | None, float, bool]:
         async with self._connection() as conn:
-            return await store.next_due_at(conn)
+            return await store.idle_outlook(conn)
 
     async def finish(self, grace: float) -> None:
         """Hand back what waits, wait up to ``grace`` seconds for attempts in flight, then
