@@ -26,15 +26,12 @@ from typing import Any
 from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox.claim_sql import DEADLINE, MIN_HORIZON_SECONDS, claim_sql
+from outbox.claim_sql import DEADLINE, GATHER_DUE, MIN_HORIZON_SECONDS, PILE, claim_sql
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts
 from outbox.sealing import OVERHEAD
 from outbox.urls import endpoint_origin
 
 CHANNEL = "outbox_wakeup"
-# Arrivals one claim folds at most (PostgreSQL): 0.1-0.25 s of folding on a 2-vCPU box,
-# where 10,000,000 in one statement took 14.8 s (docs/architecture.md, "Claiming ahead").
-FOLD_LIMIT = 50_000
 _PG_TYPES = {"int": "bigint", "float": "float8", "text": "text", "bool": "boolean"}
 
 
@@ -61,29 +58,7 @@ class _Statements:
         # The size of what is sent, not of what is stored (a sealed body carries a fixed overhead).
         plain_size = f"length(body) - CASE WHEN body_key_id IS NULL THEN 0 ELSE {OVERHEAD} END"
         self.claim = text(claim_sql(pg, now))
-        # PostgreSQL, before each claim: fold what became due since (the arrivals the
-        # triggers of migration 0014 append) into the endpoints and origins the claim walks.
-        # Every arrival rewrites its rows, even with an unchanged due time, so a claim that
-        # read them before cannot write back a due time computed without the new work. At
-        # most FOLD_LIMIT arrivals a claim: arrivals left by hours without a daemon (or by
-        # daemons of the release before these tables) are folded over the next claims, where
-        # one statement folding them all could outlast the server's statement timeout, and
-        # be cancelled, every time.
-        self.gather_due = text(f"""
-            WITH arrived AS (
-                DELETE FROM outbox_due_arrivals
-                WHERE ctid = ANY(ARRAY(SELECT ctid FROM outbox_due_arrivals LIMIT {FOLD_LIMIT}))
-                RETURNING tenant_id, origin, due
-            ),
-            endpoints AS (
-                INSERT INTO outbox_due_endpoints AS d (origin, tenant_id, due)
-                SELECT origin, tenant_id, min(due) FROM arrived GROUP BY origin, tenant_id ORDER BY origin, tenant_id
-                ON CONFLICT (origin, tenant_id) DO UPDATE SET due = LEAST(d.due, excluded.due)
-            )
-            INSERT INTO outbox_due_origins AS d (origin, due)
-            SELECT origin, min(due) FROM arrived GROUP BY origin ORDER BY origin
-            ON CONFLICT (origin) DO UPDATE SET due = LEAST(d.due, excluded.due)
-        """)
+        self.gather_due = text(GATHER_DUE)
         # RETURNING must name bare columns (SQLite), so the row source avoids the table's names.
         completion = _json_rows(pg, [
             ("mid", "int"), ("tok", "text"), ("new_state", "text"), ("new_reason", "text"),
@@ -132,8 +107,9 @@ class _Statements:
         """)
         pending = "FROM outbox_messages WHERE state = 'pending'"
         self.next_due = text(f"SELECT min(next_attempt_at), {now} {pending}")
-        # The idle claimer's look ahead: the same, and whether arrivals are left to fold.
-        unfolded = "EXISTS (SELECT 1 FROM outbox_due_arrivals)" if pg else "0"
+        # The idle claimer's look ahead: the same, and whether a pile of arrivals is left to
+        # fold (more than arrive while a claim runs, which the next NOTIFY brings anyway).
+        unfolded = f"EXISTS (SELECT 1 FROM outbox_due_arrivals OFFSET {PILE})" if pg else "0"
         self.idle_outlook = text(f"SELECT min(next_attempt_at), {now}, {unfolded} {pending}")
         # Gauges read only the partial indexes of live rows: their cost is what is due,
         # never the history (delivered and dead are counters, outbox_deliveries_total).
@@ -394,9 +370,9 @@ async def next_due_at(conn: AsyncConnection) -> tuple[float | None, float]:
 
 
 async def idle_outlook(conn: AsyncConnection) -> tuple[float | None, float, bool]:
-    """:func:`next_due_at`, and whether due arrivals are left to fold (PostgreSQL): a claim
-    folds at most :data:`FOLD_LIMIT`, so an idle claimer with arrivals left claims again at
-    once instead of waiting a poll for each batch of them (one query)."""
+    """:func:`next_due_at`, and whether more than ``PILE`` due arrivals are left to fold
+    (PostgreSQL): a claim folds at most ``FOLD_LIMIT`` (outbox/claim_sql.py), so an idle
+    claimer with a pile left claims again at once, not a poll later each time (one query)."""
     due, now, unfolded = (await conn.execute(sql(conn).idle_outlook)).one()
     return (None if due is None else float(due)), float(now), bool(unfolded)
 

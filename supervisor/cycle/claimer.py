@@ -152,7 +152,7 @@ class Claimer:
                     timeout = min(timeout, backoff * random.uniform(0.5, 1.0))
                 elif not batch and not self._tasks and not self._dispatch.queued:
                     # idle: sleep until the earliest retry, at most a poll; claim again at once
-                    # while arrivals are left to fold (a backlog of them after an outage)
+                    # while a pile of arrivals is left to fold (left by hours without a daemon)
                     next_due, now, unfolded = await self._outlook()
                     if unfolded:
                         continue
