@@ -98,6 +98,11 @@ def test_sigterm_while_the_database_black_holes_ends_before_the_manifests_kill(p
         # The grace (15 s), the recording's floor after it (5 s), the cut work's moment to fail.
         assert rc == 1 and took <= 15 + 5 + 3, f"exit {rc} {took:.1f} s after SIGTERM"
         assert "outcome(s) unrecorded" in exit_line(log), exit_line(log)
+        # The cut is said once; the errors it causes itself are neither logged nor counted.
+        names = [event.get("event") for event in daemon_events(log)]
+        assert names.count("database.cut") == 1, names[-12:]
+        after = names[names.index("database.cut"):]
+        assert not {"database.error", "listen.reconnecting"} & set(after), after
         # Nothing was lost: a daemon on a working connection finishes the rest once the leases end.
         daemon = procs.start_daemon(procs.daemon_env(pg_url, key), tmp_path / "direct.log")
         try:

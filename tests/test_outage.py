@@ -81,6 +81,22 @@ async def test_claims_that_keep_failing_trip_the_guard_while_other_statements_su
     assert guard.problem() is None and guard.recovered.is_set()
 
 
+async def test_failures_after_the_daemon_cut_its_connections_are_neither_counted_nor_an_outage():
+    """Once quiet (the daemon cut its own connections at a stop), failures are the cut's own
+    doing: no error counted, no outage begun, nothing on ``/readyz``."""
+    counted: list[str] = []
+    cut = False
+    guard = OutageGuard(60, on_error=counted.append, on_outage=lambda: counted.append("outage"),
+                        quiet=lambda: cut)
+    await guard.failed("maintenance", ConnectionError("refused"))
+    assert counted == ["connection", "outage"] and guard.problem() is not None
+    guard.ok("maintenance")
+    cut = True
+    for _ in range(2):
+        await guard.failed("claim messages", ConnectionError("closed by the cut"))
+    assert counted == ["connection", "outage"] and guard.problem() is None
+
+
 async def test_an_incurable_failure_stays_on_readyz_and_ends_the_daemon_after_the_deadline(pg_url):
     errors: list[str] = []
     guard = OutageGuard(0.3, on_error=errors.append)

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+import structlog
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -116,9 +117,17 @@ class Cutoff:
             raise psycopg.OperationalError("the daemon is stopping and waits for the database no longer")
 
     def cut(self) -> int:
-        """Shut down every open connection's socket and open no more; how many were open."""
-        self.is_cut = True
+        """Shut down every open connection's socket and open no more; how many were open.
+
+        The first cut says so in the log: the database errors of the daemon's last moments
+        are the cut's own, and are neither logged nor counted (:attr:`is_cut`), so the
+        operator is not sent looking for a server that closed connections."""
         open_now = [conn for conn in list(self._live) if not conn.closed]
+        if not self.is_cut:
+            structlog.get_logger("outboxd.database").warning(
+                "database.cut", connections=len(open_now),
+                reason="stopping without waiting for the database any longer; its connections are closed here")
+        self.is_cut = True
         for conn in open_now:
             sever(conn)
         return len(open_now)

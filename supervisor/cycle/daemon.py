@@ -115,7 +115,8 @@ class Daemon:
         self.keys = CachedKeyring(settings, on_scopes=self._count_signing_keys)
         self.sender = sender or HttpSender(settings)
         self.outage = OutageGuard(settings.database_outage_seconds, on_outage=self.metrics.database_outages.inc,
-                                  on_error=lambda cause: self.metrics.database_errors.labels(cause=cause).inc())
+                                  on_error=lambda cause: self.metrics.database_errors.labels(cause=cause).inc(),
+                                  quiet=lambda: self.cutoff.is_cut)
         self.fanout = SinkFanout([StructlogSink(), *(load_sink(p) for p in settings.sinks)],
                                  timeout=settings.sink_timeout_seconds,
                                  on_error=lambda name: self.metrics.sink_errors.labels(sink=name).inc())

@@ -89,10 +89,11 @@ def _lost_connection(error: BaseException, state: str | None) -> bool:
 
 class OutageGuard:
     def __init__(self, deadline_seconds: float, on_outage: Callable[[], None] | None = None,
-                 on_error: Callable[[str], None] | None = None) -> None:
+                 on_error: Callable[[str], None] | None = None, quiet: Callable[[], bool] = lambda: False) -> None:
         self._deadline = deadline_seconds
         self._on_outage = on_outage  # called once when an outage begins (the metric)
         self._on_error = on_error  # called with the cause's label of every failure
+        self._quiet = quiet  # True once failures are the daemon's own doing (its cut): neither logged nor counted
         self._failing: dict[str, tuple[float, int, Cause]] = {}  # activity -> (since, failures, last cause)
         self._incurable: tuple[float, str, Cause] | None = None  # (since, activity, cause): never cleared
         self._log = structlog.get_logger("outboxd.database")
@@ -121,11 +122,14 @@ class OutageGuard:
         """
         now = time.monotonic()
         cause = diagnose(exc)
+        since, failures, _ = self._failing.get(doing, (now, 0, cause))
+        if self._quiet():
+            await asyncio.sleep(_backoff(failures))
+            return
         if self._on_error is not None:
             self._on_error(cause.label)
         if not self._failing and self._incurable is None and self._on_outage is not None:
             self._on_outage()
-        since, failures, _ = self._failing.get(doing, (now, 0, cause))
         self._failing[doing] = (since, failures + 1, cause)
         if not cause.curable and self._incurable is None:
             self._incurable = (now, doing, cause)
@@ -147,7 +151,12 @@ class OutageGuard:
         if failures == 0 or (failures + 1) % 10 == 0:
             self._log.error("database.error", doing=doing, cause=cause.label, reason=cause.text,
                             error=type(exc).__name__, detail=str(exc)[:200], outage_seconds=round(elapsed, 1))
-        await asyncio.sleep(min(0.2 * 2 ** min(failures, 5), 5.0))
+        await asyncio.sleep(_backoff(failures))
+
+
+def _backoff(failures: int) -> float:
+    """Seconds before the next try after ``failures`` failures in a row: 0.2 s, doubling, at most 5 s."""
+    return min(0.2 * 2 ** min(failures, 5), 5.0)
 
 
 T = TypeVar("T")

@@ -56,6 +56,7 @@ async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL
         except asyncio.CancelledError:
             raise
         except (psycopg.Error, OSError) as exc:
-            log.warning("listen.reconnecting", error=type(exc).__name__, retry_in=delay)
+            if cutoff is None or not cutoff.is_cut:  # after a cut, the cut's own doing
+                log.warning("listen.reconnecting", error=type(exc).__name__, retry_in=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
