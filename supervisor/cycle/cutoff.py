@@ -111,6 +111,15 @@ class Cutoff:
         """Count ``conn`` among the connections :meth:`cut` shuts down."""
         self._live.add(conn)
 
+    async def connect(self, url: str, **options: Any) -> psycopg.AsyncConnection[Any]:
+        """A new connection to ``url`` (libpq ``options``), counted among those :meth:`cut`
+        shuts down; refused once cut. For the connections the daemon opens outside its
+        engine: the claimer's and completer's, and LISTEN's."""
+        self.refuse_once_cut()
+        conn = await psycopg.AsyncConnection.connect(url, **options)
+        self.track(conn)
+        return conn
+
     def refuse_once_cut(self) -> None:
         """Raise instead of opening a connection after :meth:`cut`."""
         if self.is_cut:

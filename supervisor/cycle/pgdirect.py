@@ -310,9 +310,8 @@ class DirectConnection:
 
     async def _connection(self) -> psycopg.AsyncConnection[Any]:
         if self._conn is None or self._conn.closed:
-            self._cutoff.refuse_once_cut()
             async with asyncio.timeout(self._timeout):
-                conn = await psycopg.AsyncConnection.connect(self._url, autocommit=True, **self._options)
+                conn = await self._cutoff.connect(self._url, autocommit=True, **self._options)
                 if "options" in self._options:
                     try:
                         row = await (await conn.execute(STARTUP_CHECK)).fetchone()
@@ -321,7 +320,6 @@ class DirectConnection:
                         await conn.close()
                         raise
                 self._conn = conn
-                self._cutoff.track(conn)
         return self._conn
 
     def _compiled(self, statement: ClauseElement, params: Mapping[str, Any] | None) -> tuple[str, tuple[str, ...]]:

@@ -31,7 +31,7 @@ def listen_url(settings: Settings) -> str | None:
 
 
 async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL,
-                 options: dict[str, Any] | None = None, cutoff: Cutoff | None = None) -> None:
+                 options: dict[str, Any] | None = None, *, cutoff: Cutoff) -> None:
     """Call ``on_notify`` for each notification on ``channel``, forever, reconnecting with back-off.
 
     ``options`` are libpq's connection options (timeouts and keepalives: a dead peer is
@@ -42,12 +42,7 @@ async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL
     delay = 0.5
     while True:
         try:
-            if cutoff is not None:
-                cutoff.refuse_once_cut()
-            async with await psycopg.AsyncConnection.connect(libpq_url(url), autocommit=True,
-                                                             **(options or {})) as conn:
-                if cutoff is not None:
-                    cutoff.track(conn)
+            async with await cutoff.connect(libpq_url(url), autocommit=True, **(options or {})) as conn:
                 await conn.execute(f"LISTEN {channel}")
                 delay = 0.5
                 on_notify()  # anything committed while we were away is picked up now
@@ -56,7 +51,7 @@ async def listen(url: str, on_notify: Callable[[], None], channel: str = CHANNEL
         except asyncio.CancelledError:
             raise
         except (psycopg.Error, OSError) as exc:
-            if cutoff is None or not cutoff.is_cut:  # after a cut, the cut's own doing
+            if not cutoff.is_cut:  # after a cut, the cut's own doing
                 log.warning("listen.reconnecting", error=type(exc).__name__, retry_in=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
