@@ -44,13 +44,13 @@ GATHER_DUE = f"""
 """
 
 
-def _write_back(name: str, source: str, same_key: str) -> str:
+def _write_back(name: str, source: str, same_key: str, keys: str) -> str:
     """The claim's write-back to ``outbox_due_{name}``: each row ``source`` read gets its new
     due time, or goes when it has none. A row another claim holds is skipped, and so is one
     rewritten since it was read (by ``gather_due``: new work arrived), whose version, and so
     its ctid, is no longer the one read: left early, it is looked at again next time, never
     late. Skipping, never waiting, a claim cannot deadlock with another or with
-    ``gather_due``."""
+    ``gather_due``. What is written returns its ``keys`` and due time (:func:`_retired`)."""
     return f"""{name}_taken AS (
                 SELECT ctid AS row FROM outbox_due_{name}
                 WHERE ctid = ANY(ARRAY(SELECT row FROM {source})) FOR UPDATE SKIP LOCKED
@@ -59,12 +59,27 @@ def _write_back(name: str, source: str, same_key: str) -> str:
                 UPDATE outbox_due_{name} AS d SET due = a.due FROM {source} AS a
                 WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
                   AND {same_key} AND a.due <> d.due
+                RETURNING {keys}, d.due
             ),
             {name}_done AS (
                 DELETE FROM outbox_due_{name} AS d USING {source} AS a
                 WHERE d.ctid = ANY(ARRAY(SELECT row FROM {name}_taken)) AND d.ctid = a.row
                   AND {same_key} AND a.due IS NULL
+                RETURNING {keys}, d.due
             )"""
+
+
+def _retired(name: str, keys: str, picked_there: str, now: str) -> str:
+    """How many of ``outbox_due_{name}``'s rows this claim took out of what is due now
+    (dropped with nothing pending, or moved past now) without leasing anything there: a
+    cancel job or the horizon sweep ended their work, or a breaker blocks them. Each such
+    row is out until new work or its due time comes, so a claimer told of any claims again
+    at once rather than a poll later, and cannot spin (``outbox.store.claim``)."""
+    return f"""(SELECT count(*) FROM (
+                    SELECT {keys} FROM {name}_moved WHERE due > {now}
+                    UNION ALL SELECT {keys} FROM {name}_done) AS r
+                WHERE NOT EXISTS (SELECT 1 FROM heads AS h JOIN picked AS p ON p.picked_id = h.id
+                                  WHERE {picked_there}))"""
 
 
 def claim_sql(pg: bool, now: str) -> str:
@@ -152,8 +167,8 @@ def claim_sql(pg: bool, now: str) -> str:
                      ORDER BY d.due LIMIT 1)) AS due
                 FROM origins AS g
             ),
-            {_write_back("endpoints", "ahead", "d.origin = a.o AND d.tenant_id = a.t")},
-            {_write_back("origins", "origins_ahead", "d.origin = a.o")}"""
+            {_write_back("endpoints", "ahead", "d.origin = a.o AND d.tenant_id = a.t", "d.origin, d.tenant_id")},
+            {_write_back("origins", "origins_ahead", "d.origin = a.o", "d.origin")}"""
         lock = "FOR UPDATE OF m SKIP LOCKED"
     else:
         heads = f"""
@@ -188,11 +203,13 @@ def claim_sql(pg: bool, now: str) -> str:
     if pg:
         # How many rows the claim meant to lease, on a row of its own when it leased none:
         # fewer leased means another claim took (or held) some of them, so due work may be
-        # left (see ``outbox.store.claim``).
+        # left (see ``outbox.store.claim``); and how many due rows it retired (_retired).
+        retired = (_retired("endpoints", "origin, tenant_id", "h.o = r.origin AND h.t = r.tenant_id", now)
+                   + " + " + _retired("origins", "origin", "h.o = r.origin", now))
         update = f""",
         claimed AS ({update}
         )
-        SELECT c.*, w.wanted FROM (
+        SELECT c.*, w.wanted, {retired} AS retired FROM (
             SELECT count(*) AS wanted FROM (
                 SELECT 1 FROM slots AS s LEFT JOIN held AS h ON h.o = s.o WHERE {within_cap} LIMIT :limit) AS x
         ) AS w LEFT JOIN claimed AS c ON true"""

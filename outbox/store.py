@@ -210,9 +210,13 @@ async def db_now(conn: AsyncConnection) -> float:
 
 class ClaimedBatch(list[Claimed]):
     """What one claim leased, in order, and whether it was ``contended``: another claim took
-    or held rows this one meant to lease (PostgreSQL), so due work may be left behind."""
+    or held rows this one meant to lease (PostgreSQL), so due work may be left behind; and
+    how many due rows it ``retired`` (PostgreSQL: endpoints and origins it visited with
+    nothing to lease now, each out of the claims' way until new work or its due time), so
+    what they stood before may be claimed at once."""
 
     contended: bool = False
+    retired: int = 0
 
 
 def _in_claim_order(rows: Iterable[Any]) -> list[Any]:
@@ -296,7 +300,9 @@ async def claim(
         # Without an id: PostgreSQL's row of the count alone, nothing leased.
         for r in _in_claim_order(r for r in rows if r.id is not None)
     )
-    batch.contended = _is_pg(conn) and bool(rows) and len(batch) < rows[0].wanted
+    if _is_pg(conn) and rows:
+        batch.contended = len(batch) < rows[0].wanted
+        batch.retired = rows[0].retired
     return batch
 
 

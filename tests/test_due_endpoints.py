@@ -169,6 +169,37 @@ async def test_the_tables_empty_once_nothing_is_pending(pg_engine):
         await engine.dispose()
 
 
+async def test_a_claim_counts_the_due_rows_it_takes_out_of_the_way_without_leasing_there(pg_engine):
+    """``retired`` tells the claimer to claim again at once: a due row with nothing to lease
+    now (its work cancelled, or its breaker open) that the claim dropped or moved past now.
+    A claim that empties an endpoint by leasing its last message retires nothing, so steady
+    traffic pays no extra claim; and what was retired is not counted twice."""
+    engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
+    try:
+        with pg_engine.begin() as conn:
+            _insert(conn, endpoints=3)
+        leased = await _claim(engine)
+        assert (len(leased), leased.retired) == (3, 0)
+        await _complete(engine, leased, "delivered")
+        with pg_engine.begin() as conn:  # five endpoints' work folded in, then cancelled unclaimed
+            _insert(conn, endpoints=5)
+        with pg_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(_STATEMENTS[True].gather_due)
+            conn.execute(text("UPDATE outbox_messages SET state = 'dead', dead_reason = 'cancelled' "
+                              "WHERE state = 'pending'"))
+        cancelled = await _claim(engine)
+        assert (len(cancelled), cancelled.retired) == (0, 5 + 1), "five endpoints and their origin dropped"
+        assert (await _claim(engine)).retired == 0
+        with pg_engine.begin() as conn:
+            _insert(conn, endpoints=1)
+        await _breaker(engine, "t0", open_for=60)
+        blocked = await _claim(engine)
+        assert (len(blocked), blocked.retired) == (0, 1 + 1), "the endpoint and its origin wait for the breaker"
+        assert (await _claim(engine)).retired == 0
+    finally:
+        await engine.dispose()
+
+
 _OPS = st.lists(st.one_of(
     st.tuples(st.just("enqueue"), st.integers(0, 5), st.sampled_from([-5.0, 0.0, 30.0])),
     st.tuples(st.just("claim"), st.integers(1, 6), st.integers(1, 4)),

@@ -202,3 +202,42 @@ def test_a_daemon_started_on_a_backlog_of_arrivals_delivers_within_its_statement
 def _count(engine, table: str) -> int:
     with engine.connect() as conn:
         return conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one()
+
+
+def test_messages_behind_endpoints_with_nothing_pending_are_delivered_without_a_poll_per_claim(pg_engine, pg_url,
+                                                                                              tmp_path) -> None:
+    """An endpoint's due row can outlive its work: a cancel job or the horizon sweep ends
+    its messages without a claim, and a daemon of the release before the due tables delivers
+    them without writing the row back. A claim visits an origin's endpoints longest-waiting
+    first, as many as the origin has free slots (16 at the defaults), and drops those with
+    nothing pending; a claim that dropped some claims again at once, so live messages behind
+    2,000 such rows on their own origin go within a second or two, where a poll (1 s) after
+    each claim of 16 took two minutes. Defaults throughout."""
+    from outbox.urls import endpoint_origin
+    from tests import procs
+    from tests.ledger import daemon_events, enqueue_batch, finished, message_key
+
+    key, jwks = procs.make_key(tmp_path)
+    total, stale = 40, 2_000
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, _):
+        url = f"http://127.0.0.1:{port}/hook"
+        with pg_engine.begin() as conn:  # due a minute before the live messages: visited first
+            conn.execute(text("""
+                INSERT INTO outbox_due_arrivals (tenant_id, origin, due)
+                SELECT 'gone' || g, :origin, extract(epoch FROM now()) - 60 FROM generate_series(1, :n) AS g
+            """), {"n": stale, "origin": endpoint_origin(url)})
+        log = tmp_path / "daemon.log"
+        daemon = procs.start_daemon(procs.daemon_env(pg_url, key), log)
+        try:
+            assert procs.wait_until(lambda: _count(pg_engine, "outbox_due_arrivals") == 0, 30)
+            started = time.monotonic()
+            enqueue_batch(pg_engine, [(f"t{i % 4}", url, message_key("behind", i)) for i in range(total)])
+            delivered = procs.wait_until(lambda: finished(pg_engine, total, final=("delivered",)), 60)
+            took = time.monotonic() - started
+            assert delivered, daemon_events(log)[-3:]
+            assert took < 15, f"{took:.1f} s"
+            assert procs.wait_until(lambda: _count(pg_engine, "outbox_due_endpoints") == 0, 10), \
+                "rows with nothing pending were left"
+        finally:
+            procs.stop(daemon)
+    print(f"\n{total} delivered {took:.1f} s after their enqueue, behind {stale:,} endpoints with nothing pending")

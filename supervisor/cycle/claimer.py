@@ -141,8 +141,8 @@ class Claimer:
                 batch = await self._claim(limit)
                 contended = contended + 1 if batch.contended else 0  # contended: fewer than it meant to
                 self._outage.ok(CLAIMING)
-                if len(batch) == limit or contended == 1:
-                    continue  # more may be due: claim again at once
+                if len(batch) == limit or contended == 1 or batch.retired:
+                    continue  # more may be due (or was behind rows with nothing to send): claim again at once
                 if contended:
                     # Another daemon's claims keep taking or holding the rows this one reads:
                     # there is due work, so the poll is too long to wait, but claiming again at
