@@ -2,8 +2,10 @@
 
 :class:`StallingProxy` forwards until told to stall, then accepts and reads everything and
 forwards nothing (a network black hole, a stuck pooler): neither TCP keepalives nor the TCP
-user timeout notice it, only a client's own deadline does. :class:`TurnCountingProxy` counts
-how many times a client waited for an answer (its round trips).
+user timeout notice it, only a client's own deadline does. :class:`CommitSwallowingProxy`
+stalls by itself at the ``COMMIT`` of a client's first transaction that updated something,
+which it never forwards: the server is left inside the transaction. :class:`TurnCountingProxy` counts how many times a client waited for
+an answer (its round trips).
 """
 
 from __future__ import annotations
@@ -85,6 +87,27 @@ def stalling_proxy(url: str, kind: type[StallingProxy] = StallingProxy) -> Itera
         yield proxy, parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
     finally:
         proxy.close()
+
+
+class CommitSwallowingProxy(StallingProxy):
+    """Forwards as :class:`StallingProxy` does until a client commits a transaction that
+    updated something: then it stalls, that ``COMMIT`` included, as a black hole that opened
+    between a transaction's last statement and its commit."""
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        upstream = src.getpeername()[1] != self._target[1]
+        wrote = False
+        try:
+            while data := src.recv(65536):
+                wrote = wrote or (upstream and b"UPDATE " in data)
+                if wrote and b"COMMIT\x00" in data:  # the statement's text, as the protocol ends it
+                    self.stall()
+                if self.stalled.is_set():
+                    self._swallow(src)
+                    return
+                dst.sendall(data)
+        except OSError:
+            pass
 
 
 class TurnCountingProxy(StallingProxy):

@@ -63,6 +63,21 @@ def daemon_env(database_url: str, key: Path, **extra: Any) -> dict[str, str]:
     return env
 
 
+# What daemon_env shortens to keep other tests quick: a test of the defaults drops them.
+SHORTENED = ("CONNECT_TIMEOUT_SECONDS", "READ_TIMEOUT_SECONDS", "LEASE_SECONDS", "RETRY_BASE_SECONDS",
+             "RETRY_MAX_SECONDS", "POLL_INTERVAL_SECONDS", "SHUTDOWN_GRACE_SECONDS")
+
+
+def default_daemon_env(database_url: str, key: Path, **extra: Any) -> dict[str, str]:
+    """:func:`daemon_env` with the daemon's own defaults for every timing it shortens (plain
+    HTTP to loopback receivers, JSON logs and the test key stay)."""
+    env = daemon_env(database_url, key)
+    for name in SHORTENED:
+        del env[f"OUTBOX_{name}"]
+    env.update({f"OUTBOX_{k.upper()}": str(v) for k, v in extra.items()})
+    return env
+
+
 def start_daemon(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     handle = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run"], env=env, stdout=handle,

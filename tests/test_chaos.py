@@ -216,10 +216,9 @@ def test_chaos_sigkill_and_postgresql_crash_lose_nothing(cluster, tmp_path, keyp
     pem, jwks = keypair
     url = cluster.migrated_database()
     engine = make_engine(url, pool_pre_ping=True)
-    env = procs.daemon_env(url, pem, connect_timeout_seconds=1, read_timeout_seconds=2, shutdown_grace_seconds=3,
-                           concurrency=CONCURRENCY, endpoint_concurrency=ENDPOINT_CONCURRENCY)
-    for name in ("LEASE_SECONDS", "RETRY_BASE_SECONDS", "RETRY_MAX_SECONDS", "POLL_INTERVAL_SECONDS"):
-        del env[f"OUTBOX_{name}"]  # procs.daemon_env shortens these for other tests: defaults here
+    env = procs.default_daemon_env(url, pem, connect_timeout_seconds=1, read_timeout_seconds=2,
+                                   shutdown_grace_seconds=3, concurrency=CONCURRENCY,
+                                   endpoint_concurrency=ENDPOINT_CONCURRENCY)
     with ExitStack() as stack:
         receivers = [stack.enter_context(procs.receiver(tmp_path, jwks, verifier="library", name=f"receiver{i}"))
                      for i in range(RECEIVERS)]

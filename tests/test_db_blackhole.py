@@ -12,7 +12,10 @@ only the client's own statement deadline does.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +34,7 @@ from supervisor.cycle.pgdirect import DirectConnection, connect_options, startup
 from supervisor.observe.health import READY_CACHE_SECONDS, READY_CHECK_SECONDS
 from tests import procs
 from tests.console_driver import TOKEN, console_env, signed_in
-from tests.db_proxies import stalling_proxy
+from tests.db_proxies import CommitSwallowingProxy, stalling_proxy
 from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key, states
 
 
@@ -251,3 +254,42 @@ def test_readyz_fails_within_its_check_time_while_the_database_never_answers(pg_
     # The check's own cut, or the backstop a second later for a check still connecting.
     assert answer.status_code == 503 and waited < READY_CHECK_SECONDS + 4, (answer.status_code, waited)
     assert "cancellation" not in log.read_text(errors="replace")
+
+
+def test_a_replay_whose_commit_a_black_hole_swallowed_frees_its_rows_within_the_statement_timeout(pg_engine, pg_url,
+                                                                                                   tmp_path):
+    """The operator's tools hold transactions too: ``outboxd replay`` locks the messages it
+    makes due again, and a black hole that swallows its ``COMMIT`` leaves the server inside
+    that transaction, waiting on a client that is gone. Each transaction of the CLI (and the
+    console, and ``migrate``) bounds that wait server-side with ``SET LOCAL
+    idle_in_transaction_session_timeout``, which works behind a transaction pooler too: at
+    the defaults the rows are free 15 s after the black hole, where they stayed locked until
+    the server's TCP keepalives gave up, hours later. The CLI is a real process, killed as an
+    operator would once it hangs."""
+    settings = Settings(database_url=pg_url)
+    enqueue_batch(pg_engine, [("t0", "https://buyer.example/hook", message_key("replayed", 0))])
+    with pg_engine.begin() as conn:
+        message = conn.execute(text("UPDATE outbox_messages SET state = 'dead', dead_reason = 'gone', "
+                                    "finished_at = extract(epoch FROM now()) RETURNING id")).scalar_one()
+    locked = f"SELECT id FROM outbox_messages WHERE id = {message} FOR UPDATE NOWAIT"
+    with stalling_proxy(pg_url, CommitSwallowingProxy) as (proxy, proxied):
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+               "OUTBOX_DATABASE_URL": proxied}
+        cli = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "replay", str(message)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert proxy.stalled.wait(30), "the replay never committed"
+            started = time.monotonic()
+            with psycopg.connect(pg_url, autocommit=True) as probe:
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    probe.execute(locked)
+                freed = procs.wait_until(lambda: _lockable(probe, locked), settings.database_statement_timeout_seconds + 15)
+            took = time.monotonic() - started
+        finally:
+            cli.kill()
+            cli.wait()
+    print(f"\nreplayed row {'freed' if freed else 'still locked'} {took:.1f} s after the black hole swallowed "
+          "the COMMIT")
+    assert freed and took <= settings.database_statement_timeout_seconds + 3, f"{took:.1f} s"
+    with pg_engine.connect() as conn:  # the transaction ended without its COMMIT: nothing was replayed
+        assert conn.execute(text(f"SELECT state FROM outbox_messages WHERE id = {message}")).scalar_one() == "dead"

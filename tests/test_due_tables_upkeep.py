@@ -227,7 +227,7 @@ def test_messages_behind_endpoints_with_nothing_pending_are_delivered_without_a_
                 SELECT 'gone' || g, :origin, extract(epoch FROM now()) - 60 FROM generate_series(1, :n) AS g
             """), {"n": stale, "origin": endpoint_origin(url)})
         log = tmp_path / "daemon.log"
-        daemon = procs.start_daemon(procs.daemon_env(pg_url, key), log)
+        daemon = procs.start_daemon(procs.default_daemon_env(pg_url, key), log)
         try:
             assert procs.wait_until(lambda: _count(pg_engine, "outbox_due_arrivals") == 0, 30)
             started = time.monotonic()

@@ -112,14 +112,14 @@ def with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
     """Run ``await work(engine)`` against the configured, migrated database; the engine is
     disposed after. An unmigrated database is a one-line :class:`UserError` naming the fix."""
     from outbox.db import make_async_engine
-    from supervisor.cycle.pgdirect import bounded_engine_options
+    from supervisor.operator.engine import operator_engine
 
     problem = schema_problem(settings)
     if problem:
         raise UserError(problem)
 
     async def go() -> Any:
-        engine = make_async_engine(settings.database_url, **bounded_engine_options(settings))
+        engine = operator_engine(settings, make_async_engine)
         try:
             await _check_schema(engine)
             return await work(engine)

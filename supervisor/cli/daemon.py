@@ -14,9 +14,9 @@ from supervisor.cli.common import Subcommands, UserError, positive_int
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from outbox.db import make_engine
     from outbox.migrate import head_revision, upgrade
-    from supervisor.cycle.pgdirect import bounded_engine_options
+    from supervisor.operator.engine import operator_engine
 
-    before, after = upgrade(make_engine(settings.database_url, **bounded_engine_options(settings)), args.revision)
+    before, after = upgrade(operator_engine(settings, make_engine), args.revision)
     if before != after:
         print(f"outbox schema: {before or 'empty'} -> {after}")
     elif args.revision == "head" and after != head_revision():

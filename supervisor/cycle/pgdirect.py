@@ -46,8 +46,8 @@ from sqlalchemy.sql import ClauseElement
 from outbox.config import Settings
 from supervisor.cycle.cutoff import Cutoff, severed_after
 
-__all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "bounded_engine_options",
-           "check_each_connection", "check_startup_options", "connect_options", "startup_options"]
+__all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "check_each_connection",
+           "check_startup_options", "connect_options", "startup_options"]
 
 Params = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 _PYFORMAT = re.compile(r"%\((\w+)\)s|%%")  # psycopg's named placeholders, and the escaped %
@@ -60,16 +60,6 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     """libpq options that bound connecting and a dead peer by the statement timeout."""
     timeout = settings.database_statement_timeout_seconds
     return {"connect_timeout": max(2, math.ceil(timeout)), **_KEEPALIVES, "tcp_user_timeout": int(timeout * 1000)}
-
-
-def bounded_engine_options(settings: Settings) -> dict[str, Any]:
-    """Engine options for the operator's tools (the CLI, the console, ``outboxd migrate``):
-    on PostgreSQL the bounds of :func:`connect_options`, so a database that accepts the
-    connection and never answers (a stuck pooler, a black hole) fails the command within
-    the connect timeout rather than never; none on SQLite (its engine keeps its own)."""
-    if make_url(settings.database_url).get_backend_name() != "postgresql":
-        return {}
-    return {"connect_args": connect_options(settings)}
 
 
 class StartupOptionsIgnored(Exception):

@@ -30,7 +30,7 @@ from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cycle.cutoff import bound_each_hold
-from supervisor.cycle.pgdirect import bounded_engine_options
+from supervisor.operator.engine import operator_engine
 from supervisor.observe import health_stats
 from supervisor.operator import ops
 from supervisor.operator.replay import replay
@@ -93,7 +93,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state["engine"] = make_async_engine(settings.database_url, **bounded_engine_options(settings))
+        state["engine"] = operator_engine(settings, make_async_engine)
         bound_each_hold(state["engine"], settings.database_statement_timeout_seconds)
         yield
         await state["engine"].dispose()
