@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from sqlalchemy.engine import make_url
@@ -68,14 +68,21 @@ class StallingProxy:
             pass
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        watch = self._watcher(upstream=src.getpeername()[1] != self._target[1])
         try:
             while data := src.recv(65536):
+                watch(data)
                 if self.stalled.is_set():
                     self._swallow(src)
                     return
                 dst.sendall(data)
         except OSError:
             pass
+
+    def _watcher(self, upstream: bool) -> Callable[[bytes], None]:
+        """What looks at each chunk one direction of a connection forwards (``upstream``:
+        the client's), before it is forwarded; a subclass's may stall the proxy."""
+        return lambda data: None
 
 
 @contextmanager
@@ -94,20 +101,16 @@ class CommitSwallowingProxy(StallingProxy):
     updated something: then it stalls, that ``COMMIT`` included, as a black hole that opened
     between a transaction's last statement and its commit."""
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        upstream = src.getpeername()[1] != self._target[1]
+    def _watcher(self, upstream: bool) -> Callable[[bytes], None]:
         wrote = False
-        try:
-            while data := src.recv(65536):
-                wrote = wrote or (upstream and b"UPDATE " in data)
-                if wrote and b"COMMIT\x00" in data:  # the statement's text, as the protocol ends it
-                    self.stall()
-                if self.stalled.is_set():
-                    self._swallow(src)
-                    return
-                dst.sendall(data)
-        except OSError:
-            pass
+
+        def watch(data: bytes) -> None:
+            nonlocal wrote
+            wrote = wrote or (upstream and b"UPDATE " in data)
+            if wrote and b"COMMIT\x00" in data:  # the statement's text, as the protocol ends it
+                self.stall()
+
+        return watch
 
 
 class TurnCountingProxy(StallingProxy):

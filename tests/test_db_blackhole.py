@@ -128,15 +128,21 @@ def test_a_transaction_a_black_hole_orphaned_ends_within_the_statement_timeout(p
         orphan = psycopg.connect(proxied, **connect_options(settings), **startup_options(settings))
         orphan.execute("SELECT id FROM outbox_messages FOR UPDATE")  # a transaction holding the row
         proxy.stall()
-        started = time.monotonic()
-        with psycopg.connect(pg_url, autocommit=True) as probe:
-            with pytest.raises(psycopg.errors.LockNotAvailable):
-                probe.execute(locked)
-            freed = procs.wait_until(lambda: _lockable(probe, locked), settings.database_statement_timeout_seconds + 15)
-        took = time.monotonic() - started
+        freed, took = _until_free(pg_url, locked, settings.database_statement_timeout_seconds + 15)
         orphan.pgconn.finish()  # the client side goes too (its socket to the stalled proxy)
     print(f"\nrow freed {took:.1f} s after the black hole")
     assert freed and took <= settings.database_statement_timeout_seconds + 3, f"{took:.1f} s"
+
+
+def _until_free(pg_url: str, locked: str, cap: float) -> tuple[bool, float]:
+    """Whether the rows ``locked`` (a ``FOR UPDATE NOWAIT``) names, locked now, came free
+    within ``cap`` seconds, and after how long."""
+    started = time.monotonic()
+    with psycopg.connect(pg_url, autocommit=True) as probe:
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            probe.execute(locked)
+        freed = procs.wait_until(lambda: _lockable(probe, locked), cap)
+    return freed, time.monotonic() - started
 
 
 def _lockable(conn: psycopg.Connection, sql: str) -> bool:
@@ -279,12 +285,7 @@ def test_a_replay_whose_commit_a_black_hole_swallowed_frees_its_rows_within_the_
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             assert proxy.stalled.wait(30), "the replay never committed"
-            started = time.monotonic()
-            with psycopg.connect(pg_url, autocommit=True) as probe:
-                with pytest.raises(psycopg.errors.LockNotAvailable):
-                    probe.execute(locked)
-                freed = procs.wait_until(lambda: _lockable(probe, locked), settings.database_statement_timeout_seconds + 15)
-            took = time.monotonic() - started
+            freed, took = _until_free(pg_url, locked, settings.database_statement_timeout_seconds + 15)
         finally:
             cli.kill()
             cli.wait()
