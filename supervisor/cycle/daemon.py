@@ -301,7 +301,7 @@ class Daemon:
         self.fanout.start()
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
-            asyncio.create_task(self.keys.run(self.engine), name="keyring"),
+            asyncio.create_task(self.keys.run(self.engine, quiet=lambda: self.cutoff.is_cut), name="keyring"),
             asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
                                             outage=self.outage, horizon_seconds=self.settings.retry_horizon_seconds,
                                             settings=self.settings, event_sinks=self.event_sinks).run(),

@@ -102,8 +102,10 @@ class CachedKeyring:
         """The keyring changed (a NOTIFY): poll now."""
         self._wake.set()
 
-    async def run(self, engine: AsyncEngine) -> None:
-        """Poll forever; a failed poll keeps the keys already loaded (the claimer reports outages)."""
+    async def run(self, engine: AsyncEngine, quiet: Callable[[], bool] = lambda: False) -> None:
+        """Poll forever; a failed poll keeps the keys already loaded (the claimer reports
+        outages). A failure while ``quiet()`` (the daemon cut its connections) is its own
+        doing and is not logged."""
         failing = False
         while True:
             try:
@@ -115,7 +117,7 @@ class CachedKeyring:
                 await self.refresh(engine)
                 failing = False
             except Exception as exc:
-                if not failing:
+                if not failing and not quiet():
                     self._log.warning("keyring.refresh_failed", error=type(exc).__name__)
                 failing = True
 
