@@ -112,7 +112,7 @@ def with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
     """Run ``await work(engine)`` against the configured, migrated database; the engine is
     disposed after. An unmigrated database is a one-line :class:`UserError` naming the fix."""
     from outbox.db import make_async_engine
-    from supervisor.operator.engine import operator_engine
+    from supervisor.cycle.operator_engine import operator_engine
 
     problem = schema_problem(settings)
     if problem:

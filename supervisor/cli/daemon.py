@@ -14,7 +14,7 @@ from supervisor.cli.common import Subcommands, UserError, positive_int
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from outbox.db import make_engine
     from outbox.migrate import head_revision, upgrade
-    from supervisor.operator.engine import operator_engine
+    from supervisor.cycle.operator_engine import operator_engine
 
     before, after = upgrade(operator_engine(settings, make_engine), args.revision)
     if before != after:

@@ -30,7 +30,7 @@ from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cycle.cutoff import bound_each_hold
-from supervisor.operator.engine import operator_engine
+from supervisor.cycle.operator_engine import operator_engine
 from supervisor.observe import health_stats
 from supervisor.operator import ops
 from supervisor.operator.replay import replay
