@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from sqlalchemy import text
 
 from outbox import breaker_rows, store
@@ -212,6 +212,10 @@ _OPS = st.lists(st.one_of(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_OPS)
+# The origin's free slots all go to endpoints behind open breakers, ahead of one that may send:
+# the claim leases nothing, and only its count of retired rows says to claim again at once.
+@example(ops=[("enqueue", 0, -5.0), ("enqueue", 1, -5.0), ("enqueue", 2, 0.0), ("breaker", 0, 30.0),
+              ("breaker", 1, 30.0), ("claim", 1, 2), ("claim", 1, 2)])
 def test_no_due_message_is_ever_hidden_from_the_claim(pg_engine, ops):
     """After any history, every pending message is covered by an endpoint row due no later
     than it (or than its breaker's end), under an origin row due no later than that; and a
@@ -235,6 +239,8 @@ async def _replay_history(pg_engine: Any, ops: Sequence[tuple[str, int, Any]]) -
             elif op == "claim":
                 batch = await _claim(engine, limit=n, cap=arg, held=held)
                 assert not batch.contended, "a claim no other claim races comes back whole"
+                if not batch and not batch.retired and len(held) < arg:
+                    await _check_nothing_claimable(pg_engine)  # the claimer would sleep: rightly
                 held += batch
             elif op in ("retry", "deliver") and held:
                 done = [held.pop(n % len(held))]
@@ -264,6 +270,20 @@ async def _check_cover(pg_engine: Any) -> None:
                                     CASE b.state WHEN 'open' THEN b.open_until WHEN 'half_open' THEN b.probe_until END))
         """)).all()
     assert not uncovered, uncovered
+
+
+async def _check_nothing_claimable(pg_engine: Any) -> None:
+    """A claim that leased nothing and retired nothing (and was not passed over for its
+    budget) found nothing that may be sent now: every due message waits behind a breaker."""
+    with pg_engine.connect() as conn:
+        claimable = conn.execute(text("""
+            SELECT m.id FROM outbox_messages AS m
+            LEFT JOIN outbox_breakers AS b ON b.tenant_id = m.tenant_id AND b.origin = m.origin
+            WHERE m.state = 'pending' AND m.next_attempt_at <= extract(epoch from now())
+              AND NOT COALESCE(b.state = 'open' AND b.open_until > extract(epoch from now()), false)
+              AND NOT COALESCE(b.state = 'half_open' AND b.probe_until > extract(epoch from now()), false)
+        """)).scalars().all()
+    assert not claimable, claimable
 
 
 async def _check_claim_takes_all_due(pg_engine: Any, engine: Any) -> None:
