@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -37,6 +38,7 @@ from tests.console_driver import TOKEN, console_env, signed_in
 from tests.db_proxies import CommitSwallowingProxy, stalling_proxy
 from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key, states
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"  # the hand-off factory
 
 def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engine, pg_url, tmp_path):
     key, jwks = procs.make_key(tmp_path)
@@ -294,3 +296,53 @@ def test_a_replay_whose_commit_a_black_hole_swallowed_frees_its_rows_within_the_
     assert freed and took <= settings.database_statement_timeout_seconds + 3, f"{took:.1f} s"
     with pg_engine.connect() as conn:  # the transaction ended without its COMMIT: nothing was replayed
         assert conn.execute(text(f"SELECT state FROM outbox_messages WHERE id = {message}")).scalar_one() == "dead"
+
+
+def test_sigterm_while_the_database_black_holes_with_the_reporting_handoff_ends_before_the_manifests_kill(
+        pg_engine, pg_url, tmp_path):
+    """The same stop with the reporting hand-off running (``OUTBOX_REPORTING_HANDOFF``, the
+    SDK's PostgreSQL outbox in the same database, behind the same black hole), defaults
+    throughout: its turn waits on the seller's pool, which the daemon's cut cannot reach, and
+    cancelling a query there costs psycopg up to 10 s (a cancel request and a wait, 5 s each).
+    The daemon cancels the hand-off as the stop begins, so that wait runs within the grace:
+    the stop ends before the manifests' 30 s, where cancelling it with the other loops after
+    the grace took 31.5 s."""
+    from adcp_reporting_storage.outbox.pg import PgReportingOutbox
+    from adcp_reporting_storage.outbox.status_pg import PgReportingStatusOutbox
+    from psycopg_pool import AsyncConnectionPool
+
+    from tests.reporting_world import KEY, SETTINGS
+
+    async def create_schemas() -> None:
+        conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+        async with AsyncConnectionPool(conninfo, min_size=1, max_size=1) as pool:
+            await PgReportingOutbox(pool=pool).create_schema()
+            await PgReportingStatusOutbox(pool=pool).create_schema()
+
+    asyncio.run(create_schemas())
+    key, jwks = procs.make_key(tmp_path)
+    total = 40
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, _), \
+            stalling_proxy(pg_url) as (proxy, proxied):
+        metrics_port = procs.free_port()
+        env = procs.default_daemon_env(proxied, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY,
+                                       reporting_handoff="reporting_handoff:build",
+                                       metrics_addr=f"127.0.0.1:{metrics_port}")
+        env.update(REPORTING_TENANT_ID="t1", REPORTING_CIPHER_KEY="MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
+                   PYTHONPATH=os.pathsep.join([str(EXAMPLES), env.get("PYTHONPATH", "")]))
+        log = tmp_path / "through-proxy.log"
+        daemon = procs.start_daemon(env, log)
+        try:
+            enqueue_batch(pg_engine, [(f"t{i % 4}", f"http://127.0.0.1:{port}/ok", message_key("bhr", i))
+                                      for i in range(total)])
+            assert procs.wait_until(lambda: finished(pg_engine, total, final=("delivered",)), 60), \
+                daemon_events(log)[-3:]
+            # The hand-off has run a turn (it sets the backlog gauge): the SDK's import is done.
+            assert procs.wait_until(lambda: "outbox_reporting_handoff_backlog{" in httpx.get(
+                f"http://127.0.0.1:{metrics_port}/metrics").text, 120)
+            proxy.stall()
+            time.sleep(2.0)  # the next turn (a poll later) waits on the black hole
+        finally:
+            rc, took = procs.stop_timed(daemon)
+        print(f"\nSIGTERM with the database black-holed and the hand-off waiting on it: exit {rc} after {took:.1f} s")
+        assert rc == 0 and took < 30, f"exit {rc} {took:.1f} s after SIGTERM; {exit_line(log)}"

@@ -312,8 +312,10 @@ class Daemon:
         ]
         resealer = asyncio.create_task(self.resealer.run(), name="resealer")
         background.append(resealer)
+        handoff = None
         if self.settings.reporting_handoff:  # docs/reporting.md: the SDK's notifications, sent by outboxd
-            background.append(asyncio.create_task(run_handoff(self.settings, self.metrics), name="reporting"))
+            handoff = asyncio.create_task(run_handoff(self.settings, self.metrics), name="reporting")
+            background.append(handoff)
         if is_postgresql(self.settings.database_url):
             background.extend(self._wakeups())
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
@@ -333,6 +335,12 @@ class Daemon:
             grace_ends = stopped_at + self.settings.shutdown_grace_seconds
             self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
             self.claimer.stop()
+            if handoff is not None:
+                # A stop needs no more hand-off turns, and one stuck on an unanswering database
+                # takes psycopg up to 10 s to cancel (on the seller's pool, which the cut cannot
+                # reach): begin that now, within the grace, not after it. A turn cut short is
+                # handed off again by the next daemon, as after a crash (docs/reporting.md).
+                handoff.cancel()
             if isinstance(failure, DatabaseUnavailable):  # past the outage bound: nothing to wait for
                 self.cutoff.cut()
             await self.cutoff.by(grace_ends, asyncio.gather(claimer, return_exceptions=True))  # a claim unanswered
