@@ -209,11 +209,9 @@ async def db_now(conn: AsyncConnection) -> float:
 
 
 class ClaimedBatch(list[Claimed]):
-    """What one claim leased, in order, and whether it was ``contended``: another claim took
-    or held rows this one meant to lease (PostgreSQL), so due work may be left behind; and
-    how many due rows it ``retired`` (PostgreSQL: endpoints and origins it visited with
-    nothing to lease now, each out of the claims' way until new work or its due time), so
-    what they stood before may be claimed at once."""
+    """What one claim leased, in order; whether it was ``contended`` (PostgreSQL: another
+    claim took or held rows it meant to lease) and how many due rows it ``retired`` (see
+    ``outbox/claim_sql.py``): either way, due work may be left to claim at once."""
 
     contended: bool = False
     retired: int = 0
