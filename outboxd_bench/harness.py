@@ -293,7 +293,7 @@ class Bench:
     @staticmethod
     def fold_arrivals(conn: Any) -> None:
         """Fold every due arrival into the due tables, as the daemon's claims would: each
-        claim folds at most ``FOLD_LIMIT`` (outbox/store.py), a bulk insert many more."""
+        claim folds at most ``FOLD_LIMIT`` (outbox/claim_sql.py), a bulk insert many more."""
         from sqlalchemy import text
 
         from outbox.store import _STATEMENTS
