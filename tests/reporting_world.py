@@ -4,7 +4,10 @@ registrations, the SDK's ledger events and clock, and one verifying receiver per
 
 from __future__ import annotations
 
+import asyncio
+import os
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -30,6 +33,30 @@ LEDGER = "reporting.ledger_changed"
 KEY = THROWAWAY_KEY
 SETTINGS = loopback_producer(OUTBOX_SELLER_AGENT_URL="https://seller.example/adcp", OUTBOX_ENCRYPTION_KEY=KEY)
 START = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"  # the hand-off factory, reporting_handoff:build
+
+
+def with_example_handoff(env: dict[str, str], tenant: str = "t1") -> dict[str, str]:
+    """``env`` (a daemon's) running the example hand-off factory for ``tenant``."""
+    return {**env, "OUTBOX_REPORTING_HANDOFF": "reporting_handoff:build", "REPORTING_TENANT_ID": tenant,
+            "REPORTING_CIPHER_KEY": "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
+            "PYTHONPATH": os.pathsep.join([str(EXAMPLES), env.get("PYTHONPATH", "")])}
+
+
+def create_sdk_queues(pg_url: str) -> None:
+    """The SDK's PostgreSQL reporting queues (ledger and status), in ``pg_url``'s database."""
+    from adcp_reporting_storage.outbox.pg import PgReportingOutbox
+    from adcp_reporting_storage.outbox.status_pg import PgReportingStatusOutbox
+    from psycopg_pool import AsyncConnectionPool
+    from sqlalchemy.engine import make_url
+
+    async def create() -> None:
+        conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+        async with AsyncConnectionPool(conninfo, min_size=1, max_size=1) as pool:
+            await PgReportingOutbox(pool=pool).create_schema()
+            await PgReportingStatusOutbox(pool=pool).create_schema()
+
+    asyncio.run(create())
 
 
 class Clock:

@@ -19,7 +19,6 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import psycopg
@@ -30,7 +29,7 @@ from sqlalchemy.engine import make_url
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
-from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS
+from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS, daemon_engine
 from supervisor.cycle.pgdirect import DirectConnection, connect_options, startup_options
 from supervisor.observe.health import READY_CACHE_SECONDS, READY_CHECK_SECONDS
 from tests import procs
@@ -38,7 +37,6 @@ from tests.console_driver import TOKEN, console_env, signed_in
 from tests.db_proxies import CommitSwallowingProxy, stalling_proxy
 from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key, states
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"  # the hand-off factory
 
 def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engine, pg_url, tmp_path):
     key, jwks = procs.make_key(tmp_path)
@@ -188,6 +186,39 @@ async def test_a_cut_fails_statements_waiting_on_a_black_hole_at_once_and_opens_
             await engine.dispose()
 
 
+async def test_a_cut_fails_connections_still_being_opened_at_once(pg_url):
+    """A connection still being opened when the cut comes (its startup swallowed by a black
+    hole) fails at once too, by itself: nothing else cancels it, and waiting out its connect
+    timeout (the statement timeout, 15 s) held a stop past the manifests' 30 s."""
+    with stalling_proxy(pg_url) as (proxy, proxied):
+        proxy.stall()
+        settings = Settings(database_url=proxied)
+        engine = daemon_engine(settings)
+        direct = DirectConnection.of(engine, settings)
+        assert direct is not None
+
+        async def pooled() -> None:
+            async with engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+
+        try:
+            opening = [asyncio.ensure_future(pooled()), asyncio.ensure_future(direct.execute(text("SELECT 1")))]
+            await asyncio.sleep(0.5)  # both are waiting for the server's answer to their startup
+            assert not any(task.done() for task in opening)
+            loop = asyncio.get_running_loop()
+            cut_at = loop.time()
+            Cutoff.of(engine).cut()
+            done, _ = await asyncio.wait(opening, timeout=settings.database_statement_timeout_seconds + 5)
+            took = loop.time() - cut_at
+            assert len(done) == 2 and took < 1, f"{len(done)} of 2 failed, {took:.1f} s after the cut"
+            for task in opening:
+                with pytest.raises(Exception, match="waits for the database no longer"):
+                    task.result()
+        finally:
+            await direct.aclose()
+            await engine.dispose()
+
+
 def test_sigterm_while_a_schema_check_goes_unanswered_at_start_stops_the_daemon_at_once(pg_server_url, tmp_path):
     """A daemon waiting for `outboxd migrate` whose next schema check the database leaves
     unanswered: nothing is claimed, so SIGTERM cuts the check's connection and the daemon
@@ -307,29 +338,17 @@ def test_sigterm_while_the_database_black_holes_with_the_reporting_handoff_ends_
     The daemon cancels the hand-off as the stop begins, so that wait runs within the grace:
     the stop ends before the manifests' 30 s, where cancelling it with the other loops after
     the grace took 31.5 s."""
-    from adcp_reporting_storage.outbox.pg import PgReportingOutbox
-    from adcp_reporting_storage.outbox.status_pg import PgReportingStatusOutbox
-    from psycopg_pool import AsyncConnectionPool
+    from tests.reporting_world import KEY, SETTINGS, create_sdk_queues, with_example_handoff
 
-    from tests.reporting_world import KEY, SETTINGS
-
-    async def create_schemas() -> None:
-        conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
-        async with AsyncConnectionPool(conninfo, min_size=1, max_size=1) as pool:
-            await PgReportingOutbox(pool=pool).create_schema()
-            await PgReportingStatusOutbox(pool=pool).create_schema()
-
-    asyncio.run(create_schemas())
+    create_sdk_queues(pg_url)
     key, jwks = procs.make_key(tmp_path)
     total = 40
     with procs.receiver(tmp_path, jwks, verifier="library") as (port, _), \
             stalling_proxy(pg_url) as (proxy, proxied):
         metrics_port = procs.free_port()
-        env = procs.default_daemon_env(proxied, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY,
-                                       reporting_handoff="reporting_handoff:build",
-                                       metrics_addr=f"127.0.0.1:{metrics_port}")
-        env.update(REPORTING_TENANT_ID="t1", REPORTING_CIPHER_KEY="MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
-                   PYTHONPATH=os.pathsep.join([str(EXAMPLES), env.get("PYTHONPATH", "")]))
+        env = with_example_handoff(procs.default_daemon_env(
+            proxied, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY,
+            metrics_addr=f"127.0.0.1:{metrics_port}"))
         log = tmp_path / "through-proxy.log"
         daemon = procs.start_daemon(env, log)
         try:

@@ -16,7 +16,6 @@ import collections
 import json
 import os
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select, update
@@ -35,12 +34,12 @@ from outbox.reporting import ReportingHandoff
 from outbox.schema import attempts, messages
 from supervisor import cli
 from tests import procs
-from tests.reporting_world import (ACCOUNT, KEY, LEDGER, SETTINGS, START, TYPES, Clock, Registry, causes, listed,
-                                   message_count, record, register, sealed_bodies, settled)
+from tests.reporting_world import (ACCOUNT, EXAMPLES, KEY, LEDGER, SETTINGS, START, TYPES, Clock, Registry, causes,
+                                   create_sdk_queues, listed, message_count, record, register, sealed_bodies, settled,
+                                   with_example_handoff)
 from tests.reporting_world import receiver  # noqa: F401 - a pytest fixture
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parent.parent
 def test_reporting_notifications_handed_off_and_delivered(pg_engine, pg_url, tmp_path, receiver):
     key, base, log, _ = receiver
     register(pg_engine, "sub-a", "buyer-a", f"{base}/flaky/2/503/a")  # 503, 503, then 200 for every key
@@ -175,8 +174,6 @@ async def record_in_postgres(pool, *items) -> list:
 
 def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg_url, tmp_path, receiver,
                                                                    monkeypatch, capsys):
-    from adcp_reporting_storage.outbox.pg import PgReportingOutbox
-    from adcp_reporting_storage.outbox.status_pg import PgReportingStatusOutbox
     from psycopg_pool import AsyncConnectionPool
     from sqlalchemy.engine import make_url
 
@@ -189,15 +186,9 @@ def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg
         async with AsyncConnectionPool(conninfo, min_size=1, max_size=2) as pool:
             return await work(pool)
 
-    async def create_schemas(pool) -> None:
-        await PgReportingOutbox(pool=pool).create_schema()
-        await PgReportingStatusOutbox(pool=pool).create_schema()
-
-    asyncio.run(with_pool(create_schemas))
-    env = procs.daemon_env(pg_url, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY,
-                           reporting_handoff="reporting_handoff:build")
-    env.update(REPORTING_TENANT_ID="t1", REPORTING_CIPHER_KEY="MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY=",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "docs" / "examples"), env.get("PYTHONPATH", "")]))
+    create_sdk_queues(pg_url)
+    env = with_example_handoff(procs.daemon_env(pg_url, key, seller_agent_url=SETTINGS.seller_agent_url,
+                                                encryption_key=KEY))
     daemon = procs.start_daemon(env, tmp_path / "d.log")
     try:
         assert procs.wait_until(lambda: {s.state for s in listed(pg_engine)} == {"active"}, 60)
@@ -212,7 +203,7 @@ def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg
         for name in ("OUTBOX_DATABASE_URL", "OUTBOX_REPORTING_HANDOFF", "OUTBOX_ENCRYPTION_KEY",
                      "REPORTING_TENANT_ID", "REPORTING_CIPHER_KEY"):
             monkeypatch.setenv(name, env[name])
-        monkeypatch.syspath_prepend(str(ROOT / "docs" / "examples"))
+        monkeypatch.syspath_prepend(str(EXAMPLES))
         capsys.readouterr()
         assert cli.main(["reporting", "--json"]) == 0
         shown = capsys.readouterr().out

@@ -9,10 +9,10 @@ the shipped manifests allow before SIGKILL (docs/operations.md, "Stopping").
 
 So the daemon cuts instead, when its stop has waited for the database as long as it may:
 every PostgreSQL connection it holds (its engine's and the claimer's and completer's own)
-has its socket shut down, which fails whatever waits on it at once, and no new one is
-opened. The rest of the stop (closing the sinks, the HTTP sender, the metrics endpoint) no
-longer waits for the database. What was left unrecorded is sent again once its lease runs
-out, as after a crash.
+has its socket shut down and every one still being opened is abandoned, which fails
+whatever waits on them at once, and no new one is opened. The rest of the stop (closing
+the sinks, the HTTP sender, the metrics endpoint) no longer waits for the database. What
+was left unrecorded is sent again once its lease runs out, as after a crash.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = ["Cutoff", "bound_each_hold", "sever", "severed_after"]
 
 # How long work that was cut is given to fail before it is cancelled.
 SETTLE_SECONDS = 1.0
+_REFUSED = "the daemon is stopping and waits for the database no longer"
 _BY_ENGINE: "weakref.WeakKeyDictionary[Any, Cutoff]" = weakref.WeakKeyDictionary()
 
 
@@ -94,10 +95,15 @@ class Cutoff:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._live: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        self._opening: set[asyncio.Future[psycopg.AsyncConnection[Any]]] = set()
         self.is_cut = False
         if engine.dialect.name == "postgresql":
-            event.listen(engine.sync_engine, "do_connect", lambda *_: self.refuse_once_cut())
+            event.listen(engine.sync_engine, "do_connect", self._open_engine_connections_here)
             event.listen(engine.sync_engine, "connect", lambda dbapi, _record: self.track(dbapi.driver_connection))
+
+    def _open_engine_connections_here(self, _dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        self.refuse_once_cut()
+        cparams["async_creator_fn"] = self._open  # what SQLAlchemy's psycopg dialect connects with
 
     @classmethod
     def of(cls, engine: AsyncEngine) -> "Cutoff":
@@ -115,18 +121,34 @@ class Cutoff:
         """A new connection to ``url`` (libpq ``options``), counted among those :meth:`cut`
         shuts down; refused once cut. For the connections the daemon opens outside its
         engine: the claimer's and completer's, and LISTEN's."""
-        self.refuse_once_cut()
-        conn = await psycopg.AsyncConnection.connect(url, **options)
+        conn = await self._open(url, **options)
         self.track(conn)
         return conn
+
+    async def _open(self, *args: Any, **kwargs: Any) -> psycopg.AsyncConnection[Any]:
+        """psycopg's connect, which a cut fails at once: the server's answer to its startup
+        may be what a black hole swallows, and nothing else would end it before its timeout."""
+        self.refuse_once_cut()
+        attempt = asyncio.ensure_future(psycopg.AsyncConnection.connect(*args, **kwargs))
+        self._opening.add(attempt)
+        try:
+            return await attempt
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if attempt.cancelled() and self.is_cut and (task is None or not task.cancelling()):
+                raise psycopg.OperationalError(_REFUSED) from None  # the cut's cancel, not the caller's
+            raise
+        finally:
+            self._opening.discard(attempt)
 
     def refuse_once_cut(self) -> None:
         """Raise instead of opening a connection after :meth:`cut`."""
         if self.is_cut:
-            raise psycopg.OperationalError("the daemon is stopping and waits for the database no longer")
+            raise psycopg.OperationalError(_REFUSED)
 
     def cut(self) -> int:
-        """Shut down every open connection's socket and open no more; how many were open.
+        """Shut down every open connection's socket, end every one being opened, and open no
+        more; how many were open.
 
         The first cut says so in the log: the database errors of the daemon's last moments
         are the cut's own, and are neither logged nor counted (:attr:`is_cut`), so the
@@ -139,6 +161,8 @@ class Cutoff:
         self.is_cut = True
         for conn in open_now:
             sever(conn)
+        for attempt in self._opening:
+            attempt.cancel()
         return len(open_now)
 
     async def by(self, deadline: float, work: Awaitable[object]) -> bool:
