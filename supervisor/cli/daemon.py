@@ -31,14 +31,15 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _leave(code: int, message: str | None = None) -> NoReturn:
-    """Exit now, without Python's teardown of the interpreter.
+    """Exit now, without closing the event loop or Python's teardown of the interpreter.
 
     By then the daemon has closed everything it opened (connections, sinks, the hand-off's
-    pools, the metrics endpoint) and flushed what it logged; the teardown left would only
-    collect the objects of a process about to end (with a seller's SDK imported for the
-    reporting hand-off, some 10^6 of them: 2-5 s) and wait for a thread still importing
-    it, time the stop takes from the grace the manifests allow (docs/operations.md,
-    "Stopping"). Handlers registered with :mod:`atexit` do not run."""
+    pools, the metrics endpoint) and flushed what it logged. What is left would only take
+    time from the grace the manifests allow (docs/operations.md, "Stopping"): closing the
+    loop joins its executor's threads, one of which may still be importing a seller's SDK
+    for the reporting hand-off (ten seconds and more) or waiting on the seller's own
+    database connection, and the teardown collects the objects of a process about to end
+    (with the SDK imported, 2-5 s). Handlers registered with :mod:`atexit` do not run."""
     if message is not None:
         print(message, file=sys.stderr)
     logging.shutdown()
@@ -53,12 +54,12 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     from supervisor.cycle.outage import DatabaseUnavailable
 
     configure_logging(settings.log_format)
-    try:
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        try:
             runner.run(Daemon(settings).run())
-    except DatabaseUnavailable as exc:
-        _leave(1, f"outboxd run: {exc}")
-    _leave(0)
+        except DatabaseUnavailable as exc:
+            _leave(1, f"outboxd run: {exc}")
+        _leave(0)  # before the runner closes the loop, which would join the loop's threads
 
 
 def _toml_value(value: object) -> str:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import threading
-from types import ModuleType
 from typing import Any
 
 import structlog
@@ -24,38 +22,6 @@ from outbox.reporting import Backlog, ReportingHandoff
 from supervisor.observe.metrics import Metrics
 
 
-async def import_aside(module_name: str) -> ModuleType:
-    """Import ``module_name`` on a daemon thread of its own.
-
-    Importing a seller's SDK takes seconds of CPU (ten or more on a busy box), and the
-    daemon is already delivering on this event loop. Not on the loop's executor: closing the
-    loop waits for every thread of that, so a stop during the import would wait for it
-    too; ``outboxd run`` leaves a daemon thread behind, unfinished."""
-    loop = asyncio.get_running_loop()
-    imported: asyncio.Future[ModuleType] = loop.create_future()
-
-    def settle(module: ModuleType | None, error: BaseException | None) -> None:
-        if imported.done():  # the waiter was cancelled: nobody wants the module now
-            return
-        if error is None:
-            imported.set_result(module)  # type: ignore[arg-type]
-        else:
-            imported.set_exception(error)
-
-    def work() -> None:
-        try:
-            outcome: tuple[ModuleType | None, BaseException | None] = (importlib.import_module(module_name), None)
-        except BaseException as exc:  # handed to the waiter, raised there
-            outcome = (None, exc)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop has closed: the daemon stopped meanwhile
-            pass
-
-    threading.Thread(target=work, name=f"import {module_name}", daemon=True).start()
-    return await imported
-
-
 async def build_handoffs(settings: Settings) -> tuple[ReportingHandoff, ...]:
     """Call the configured factory (plain or async; one hand-off or several) and check them."""
     path = settings.reporting_handoff or ""
@@ -63,7 +29,10 @@ async def build_handoffs(settings: Settings) -> tuple[ReportingHandoff, ...]:
     if not module_name or not attr:
         raise ConfigurationError(f"OUTBOX_REPORTING_HANDOFF {path!r} must be written package.module:factory")
     try:
-        factory = getattr(await import_aside(module_name), attr)
+        # In a thread: importing the SDK's reporting package takes seconds of CPU (ten and
+        # more on a busy box), and the daemon is already delivering on this event loop. A
+        # stop does not wait for it (``outboxd run`` leaves before the loop joins its threads).
+        factory = getattr(await asyncio.to_thread(importlib.import_module, module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError(f"OUTBOX_REPORTING_HANDOFF {path!r} cannot be loaded: {exc}") from None
     built: Any = factory(settings)
