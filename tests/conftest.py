@@ -142,6 +142,35 @@ def pg_engine(pg_url: str) -> Iterator[Engine]:
     engine.dispose()
 
 
+def _public_objects(conn: psycopg.Connection) -> tuple[set[str], set[str]]:
+    """The tables and the functions (with their argument types) in ``conn``'s schema."""
+    tables = set(conn.execute("SELECT quote_ident(relname) FROM pg_class WHERE relkind IN ('r', 'p')"
+                              " AND relnamespace = current_schema()::regnamespace").fetchall())
+    functions = set(conn.execute("SELECT oid::regprocedure::text FROM pg_proc"
+                                 " WHERE pronamespace = current_schema()::regnamespace").fetchall())
+    return {t for (t,) in tables}, {f for (f,) in functions}
+
+
+@pytest.fixture
+def sdk_queues(pg_url: str) -> Iterator[str]:
+    """The adcp SDK's PostgreSQL reporting queues (ledger and status) in the run's database,
+    for one test: the tables and functions their schema adds are dropped after, so the
+    run's later tests find outboxd's tables only. The database's URL."""
+    from tests.reporting_world import create_sdk_queues
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        tables, functions = _public_objects(conn)
+    create_sdk_queues(pg_url)
+    yield pg_url
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        added_tables, added_functions = (now - before for now, before in zip(_public_objects(conn),
+                                                                             (tables, functions)))
+        if added_tables:
+            conn.execute(f"DROP TABLE IF EXISTS {', '.join(sorted(added_tables))} CASCADE")
+        for function in sorted(added_functions):
+            conn.execute(f"DROP FUNCTION IF EXISTS {function} CASCADE")
+
+
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One migrated SQLite database per run, which each test copies (migrating takes ~0.2 s)."""

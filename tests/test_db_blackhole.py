@@ -330,7 +330,7 @@ def test_a_replay_whose_commit_a_black_hole_swallowed_frees_its_rows_within_the_
 
 
 def test_sigterm_while_the_database_black_holes_with_the_reporting_handoff_ends_before_the_manifests_kill(
-        pg_engine, pg_url, tmp_path):
+        pg_engine, sdk_queues, tmp_path):
     """The same stop with the reporting hand-off running (``OUTBOX_REPORTING_HANDOFF``, the
     SDK's PostgreSQL outbox in the same database, behind the same black hole), defaults
     throughout: its turn waits on the seller's pool, which the daemon's cut cannot reach, and
@@ -338,13 +338,12 @@ def test_sigterm_while_the_database_black_holes_with_the_reporting_handoff_ends_
     The daemon cancels the hand-off as the stop begins, so that wait runs within the grace:
     the stop ends before the manifests' 30 s, where cancelling it with the other loops after
     the grace took 31.5 s."""
-    from tests.reporting_world import KEY, SETTINGS, create_sdk_queues, with_example_handoff
+    from tests.reporting_world import KEY, SETTINGS, with_example_handoff
 
-    create_sdk_queues(pg_url)
     key, jwks = procs.make_key(tmp_path)
     total = 40
     with procs.receiver(tmp_path, jwks, verifier="library") as (port, _), \
-            stalling_proxy(pg_url) as (proxy, proxied):
+            stalling_proxy(sdk_queues) as (proxy, proxied):
         metrics_port = procs.free_port()
         env = with_example_handoff(procs.default_daemon_env(
             proxied, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY,

@@ -20,7 +20,7 @@ from outbox.config import Settings
 from outbox.errors import ConfigurationError
 from supervisor.cycle.reporting_handoff import build_handoffs
 from tests import procs
-from tests.reporting_world import KEY, create_sdk_queues, with_example_handoff
+from tests.reporting_world import KEY, with_example_handoff
 
 
 def _factory_module(where: Path, name: str, body: str) -> None:
@@ -47,14 +47,13 @@ def test_sigterm_while_the_factory_is_still_importing_stops_at_once(sqlite_url, 
     assert rc == 0 and took < 5, f"exit {rc} after {took:.1f} s"
 
 
-def test_a_stop_after_the_sdk_is_imported_does_not_wait_for_the_interpreter_teardown(pg_url, tmp_path):
+def test_a_stop_after_the_sdk_is_imported_does_not_wait_for_the_interpreter_teardown(sdk_queues, tmp_path):
     """With the seller's SDK imported (the example factory, ``docs/examples``), Python's
     own teardown collected its objects for 2-5 s after the daemon had closed everything;
     ``outboxd run`` leaves without it, so an idle daemon's stop takes well under a second."""
-    create_sdk_queues(pg_url)
     metrics_port = procs.free_port()
     key, _ = procs.make_key(tmp_path)
-    env = with_example_handoff(procs.default_daemon_env(pg_url, key, encryption_key=KEY,
+    env = with_example_handoff(procs.default_daemon_env(sdk_queues, key, encryption_key=KEY,
                                                         metrics_addr=f"127.0.0.1:{metrics_port}"))
     log = tmp_path / "daemon.log"
     daemon = procs.start_daemon(env, log)

@@ -35,7 +35,7 @@ from outbox.schema import attempts, messages
 from supervisor import cli
 from tests import procs
 from tests.reporting_world import (ACCOUNT, EXAMPLES, KEY, LEDGER, SETTINGS, START, TYPES, Clock, Registry, causes,
-                                   create_sdk_queues, listed, message_count, record, register, sealed_bodies, settled,
+                                   listed, message_count, record, register, sealed_bodies, settled,
                                    with_example_handoff)
 from tests.reporting_world import receiver  # noqa: F401 - a pytest fixture
 
@@ -172,7 +172,7 @@ async def record_in_postgres(pool, *items) -> list:
     return events
 
 
-def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg_url, tmp_path, receiver,
+def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg_url, sdk_queues, tmp_path, receiver,
                                                                    monkeypatch, capsys):
     from psycopg_pool import AsyncConnectionPool
     from sqlalchemy.engine import make_url
@@ -186,7 +186,6 @@ def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg
         async with AsyncConnectionPool(conninfo, min_size=1, max_size=2) as pool:
             return await work(pool)
 
-    create_sdk_queues(pg_url)
     env = with_example_handoff(procs.daemon_env(pg_url, key, seller_agent_url=SETTINGS.seller_agent_url,
                                                 encryption_key=KEY))
     daemon = procs.start_daemon(env, tmp_path / "d.log")
