@@ -163,11 +163,10 @@ def sdk_queues(pg_url: str) -> Iterator[str]:
     create_sdk_queues(pg_url)
     yield pg_url
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        added_tables, added_functions = (now - before for now, before in zip(_public_objects(conn),
-                                                                             (tables, functions)))
-        if added_tables:
-            conn.execute(f"DROP TABLE IF EXISTS {', '.join(sorted(added_tables))} CASCADE")
-        for function in sorted(added_functions):
+        tables_now, functions_now = _public_objects(conn)
+        if tables_now - tables:
+            conn.execute(f"DROP TABLE IF EXISTS {', '.join(sorted(tables_now - tables))} CASCADE")
+        for function in sorted(functions_now - functions):
             conn.execute(f"DROP FUNCTION IF EXISTS {function} CASCADE")
 
 

@@ -4,8 +4,9 @@
 forwards nothing (a network black hole, a stuck pooler): neither TCP keepalives nor the TCP
 user timeout notice it, only a client's own deadline does. :class:`CommitSwallowingProxy`
 stalls by itself at the ``COMMIT`` of a client's first transaction that updated something,
-which it never forwards: the server is left inside the transaction. :class:`TurnCountingProxy` counts how many times a client waited for
-an answer (its round trips).
+which it never forwards: the server is left inside the transaction.
+:class:`TurnCountingProxy` counts how many times a client waited for an answer (its round
+trips).
 """
 
 from __future__ import annotations

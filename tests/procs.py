@@ -71,10 +71,10 @@ SHORTENED = ("CONNECT_TIMEOUT_SECONDS", "READ_TIMEOUT_SECONDS", "LEASE_SECONDS",
 def default_daemon_env(database_url: str, key: Path, **extra: Any) -> dict[str, str]:
     """:func:`daemon_env` with the daemon's own defaults for every timing it shortens (plain
     HTTP to loopback receivers, JSON logs and the test key stay)."""
-    env = daemon_env(database_url, key)
+    env = daemon_env(database_url, key, **extra)
     for name in SHORTENED:
-        del env[f"OUTBOX_{name}"]
-    env.update({f"OUTBOX_{k.upper()}": str(v) for k, v in extra.items()})
+        if name.lower() not in extra:
+            del env[f"OUTBOX_{name}"]
     return env
 
 

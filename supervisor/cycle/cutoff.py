@@ -102,7 +102,6 @@ class Cutoff:
             event.listen(engine.sync_engine, "connect", lambda dbapi, _record: self.track(dbapi.driver_connection))
 
     def _open_engine_connections_here(self, _dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
-        self.refuse_once_cut()
         cparams["async_creator_fn"] = self._open  # what SQLAlchemy's psycopg dialect connects with
 
     @classmethod

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, event
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
+from outbox.db import is_postgresql
 from supervisor.cycle.pgdirect import connect_options
 
 __all__ = ["operator_engine"]
@@ -36,7 +36,7 @@ E = TypeVar("E", Engine, AsyncEngine)
 def operator_engine(settings: Settings, make: Callable[..., E]) -> E:
     """``make(OUTBOX_DATABASE_URL, ...)`` (``outbox.db.make_engine`` or
     ``make_async_engine``) with the bounds above on PostgreSQL, as it is on SQLite."""
-    if make_url(settings.database_url).get_backend_name() != "postgresql":
+    if not is_postgresql(settings.database_url):
         return make(settings.database_url)
     engine = make(settings.database_url, connect_args=connect_options(settings))
     idle_ms = int(settings.database_statement_timeout_seconds * 1000)
