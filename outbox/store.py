@@ -20,13 +20,13 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.claim_sql import DEADLINE, GATHER_DUE, MIN_HORIZON_SECONDS, PILE, claim_sql
+from outbox.leases import Claimed, ClaimedBatch, Completion
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts
 from outbox.sealing import OVERHEAD
 from outbox.urls import endpoint_origin
@@ -148,73 +148,8 @@ def sql(conn: AsyncConnection) -> _Statements:
     return _STATEMENTS[_is_pg(conn)]
 
 
-@dataclass(frozen=True)
-class Claimed:
-    """A leased message: everything one attempt needs, and the fence to record it with."""
-
-    id: int
-    tenant_id: str
-    url: str
-    origin: str | None
-    idempotency_key: str
-    body: bytes
-    body_sha256: bytes | None
-    auth_mode: str
-    auth_secret: bytes | None
-    sequence_number: int | None
-    notification_type: str | None
-    attempt: int
-    retry_until: float
-    created_at: float
-    trigger: str
-    claimed_at: float
-    lease_token: str
-    stored_origin: str | None = None  # the origin column as read; the completion fixes it if it differs
-    breaker_state: str | None = None  # this endpoint's breaker at claim time (None: no row)
-    breaker_open_until: float | None = None
-    body_key_id: str | None = None  # the key the stored body is sealed under (None: plaintext)
-    # time.monotonic() when the claim statement was sent: its lease and ``claimed_at`` are no
-    # older than this, whatever the round trip (or, on SQLite, the wait for the write lock) took.
-    claim_sent: float = field(default_factory=time.monotonic)
-    traceparent: str | None = None  # the enqueuing caller's W3C trace context
-    subscriber_ref: int | None = None  # the subscriber of an account-level fire (its revocation stops retries)
-
-    def db_time(self) -> float:
-        """The database's time now, from the claim's: ``claimed_at`` plus the monotonic time
-        since the claim was sent (docs/architecture.md "Time comes from the database").
-
-        Never earlier than the truth (the statement read its clock after it was sent), so a
-        horizon judged with it is never overrun; late by at most the claim's round trip.
-        """
-        return self.claimed_at + (time.monotonic() - self.claim_sent)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """The recorded outcome of one leased message."""
-
-    message_id: int
-    lease_token: str
-    state: str  # delivered | pending | dead
-    dead_reason: str | None = None
-    next_attempt_at: float | None = None
-    attempts_delta: int = 0  # -1 when the claimed message was not sent (released, expired unsent)
-    last_status: int | None = None
-    last_error: str | None = None
-    origin: str | None = None  # write back this origin (the row's differed from endpoint_origin)
-
-
 async def db_now(conn: AsyncConnection) -> float:
     return float((await conn.execute(sql(conn).now)).scalar_one())
-
-
-class ClaimedBatch(list[Claimed]):
-    """What one claim leased, in order; whether it was ``contended`` (PostgreSQL: another
-    claim took or held rows it meant to lease) and how many due rows it ``retired`` (see
-    ``outbox/claim_sql.py``): either way, due work may be left to claim at once."""
-
-    contended: bool = False
-    retired: int = 0
 
 
 def _in_claim_order(rows: Iterable[Any]) -> list[Any]:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outbox.store import Claimed
+from outbox.leases import Claimed
 from supervisor.cycle.dispatch import Dispatcher
 
 PROTO = Claimed(id=0, tenant_id="t", url="https://a.example/", origin="https://a.example", idempotency_key="k",

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from sqlalchemy import text
 
-from outbox import breaker_rows, store
+from outbox import breaker_rows, leases, store
 from outbox.db import make_async_engine
 from outbox.store import _STATEMENTS
 from supervisor.cycle.breaker import closed_row
@@ -78,17 +78,17 @@ def test_claim_work_does_not_grow_with_backlogged_endpoints(pg_engine, origins, 
 
 
 async def _claim(engine: Any, *, limit: int = 50, cap: int = BUDGET, daemon: str = "d1",
-                 held: Sequence[store.Claimed] = ()) -> store.ClaimedBatch:
+                 held: Sequence[leases.Claimed] = ()) -> leases.ClaimedBatch:
     """A claim by ``daemon``, which holds the leases ``held``."""
     async with engine.begin() as conn:
         return await store.claim(conn, limit=limit, lease_seconds=30, horizon_seconds=86_400, daemon_id=daemon,
                                  endpoint_concurrency=cap, held=Counter(m.origin or "" for m in held))
 
 
-async def _complete(engine: Any, claimed: Sequence[store.Claimed], state: str, next_in: float = 0.0) -> None:
+async def _complete(engine: Any, claimed: Sequence[leases.Claimed], state: str, next_in: float = 0.0) -> None:
     async with engine.begin() as conn:
         now = await store.db_now(conn)
-        await store.complete(conn, [store.Completion(c.id, c.lease_token, state, next_attempt_at=now + next_in)
+        await store.complete(conn, [leases.Completion(c.id, c.lease_token, state, next_attempt_at=now + next_in)
                                     for c in claimed])
 
 
@@ -155,7 +155,7 @@ async def test_the_tables_empty_once_nothing_is_pending(pg_engine):
     try:
         with pg_engine.begin() as conn:
             _insert(conn, endpoints=40, per=3, origins=4)
-        claimed: list[store.Claimed] = []
+        claimed: list[leases.Claimed] = []
         while batch := await _claim(engine, cap=1_000):
             claimed += batch
             await _complete(engine, batch, "delivered")
@@ -228,7 +228,7 @@ def test_no_due_message_is_ever_hidden_from_the_claim(pg_engine, ops):
 
 async def _replay_history(pg_engine: Any, ops: Sequence[tuple[str, int, Any]]) -> None:
     engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
-    held: list[store.Claimed] = []
+    held: list[leases.Claimed] = []
     try:
         for op, n, arg in ops:
             if op == "enqueue":

@@ -23,8 +23,8 @@ from sqlalchemy import select, text
 
 import outbox
 from outbox.db import make_async_engine
+from outbox.leases import Claimed
 from outbox.schema import attempts, messages
-from outbox.store import Claimed
 from supervisor.cycle.attempt import attempt
 from supervisor.keys.keyring_cache import CachedKeyring
 from supervisor.wire.transport import HttpSender

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 from sqlalchemy import select, text
 
-from outbox import store
+from outbox import leases, store
 from outbox.config import Settings
 from outbox.db import make_async_engine
 from outbox.schema import attempts, messages
-from outbox.store import Completion
+from outbox.leases import Completion
 from supervisor.cycle.pgdirect import DirectConnection
 from tests.db_proxies import TurnCountingProxy, stalling_proxy
 from tests.ledger import enqueue_batch, message_key
@@ -20,7 +20,7 @@ from tests.ledger import enqueue_batch, message_key
 CLAIM = dict(limit=50, lease_seconds=30.0, horizon_seconds=86_400, endpoint_concurrency=16)
 
 
-def _same(claimed: list[store.Claimed]) -> list[store.Claimed]:
+def _same(claimed: list[leases.Claimed]) -> list[leases.Claimed]:
     """Claimed rows without what differs between two claims by design (token, clock)."""
     return [dataclasses.replace(c, lease_token="", claimed_at=0.0, retry_until=0.0, claim_sent=0.0) for c in claimed]
 

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 from sqlalchemy import select, text, update
 
-from outbox import breaker_rows, store
+from outbox import breaker_rows, leases, store
 from outbox.db import make_async_engine, make_engine
 from outbox.schema import breakers, messages
 from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
@@ -31,7 +31,7 @@ def _url(engine) -> str:
 
 
 async def _claim(engine, *, limit: int = 50, cap: int = 3, daemon: str = "d1",
-                 held: Counter[str] | None = None) -> list[store.Claimed]:
+                 held: Counter[str] | None = None) -> list[leases.Claimed]:
     """A claim by ``daemon``, which holds ``held`` leases per origin (added to with what it takes)."""
     async with engine.begin() as conn:
         claimed = await store.claim(conn, limit=limit, lease_seconds=30, horizon_seconds=HORIZON, daemon_id=daemon,

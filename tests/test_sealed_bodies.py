@@ -14,10 +14,10 @@ from sqlalchemy import update
 from sqlalchemy.engine import make_url
 
 import outbox
-from outbox.sealing import plaintext
 from outbox.config import ConfigurationError
 from outbox.schema import messages
 from outbox.sealing import KeyUnavailable, SealError, key_id
+from outbox.sealing import plaintext
 from supervisor.cycle.attempt import opened
 from tests import stored
 from tests.ledger import loopback_producer
@@ -128,7 +128,7 @@ def test_an_identical_retry_is_idempotent_and_a_changed_one_conflicts(engine):
 def test_the_daemon_opens_only_with_a_configured_key(engine):
     old, new = new_key(), new_key()
     [message_id] = enqueue_all_kinds(engine, sealing_settings(old))[:1]
-    from outbox.store import Claimed
+    from outbox.leases import Claimed
 
     row = stored.row(engine, message_id)
     claimed = Claimed(id=row.id, tenant_id=row.tenant_id, url=row.url, origin=row.origin,

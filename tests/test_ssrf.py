@@ -11,8 +11,8 @@ import json
 import pytest
 
 import outbox
-from outbox.store import Claimed
 from outbox.errors import OutboxValidationError
+from outbox.leases import Claimed
 from outbox.urls import blocked_reason, validate_destination
 from supervisor.cycle.attempt import attempt
 from outbox.db import make_async_engine

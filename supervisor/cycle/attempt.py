@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from outbox import protocol
 from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
+from outbox.leases import Claimed
 from outbox.masking import response_excerpt
 from outbox.producer import decode_body
 from outbox.sealing import CREDENTIAL, KeyUnavailable, SealError, plaintext
-from outbox.store import Claimed
 from outbox.urls import validate_destination
 from supervisor.cycle import challenge
 from supervisor.wire.classify import Verdict, classify_response, classify_transport_error

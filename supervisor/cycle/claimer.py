@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import breaker_rows, store
 from outbox.config import Settings
-from outbox.store import Claimed
+from outbox.leases import Claimed, ClaimedBatch
 from supervisor.observe import events, tracing
 from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.breaker import CircuitState
@@ -192,7 +192,7 @@ class Claimer:
         cost of a claim, where the next refill takes them along with the rest."""
         return self._capped and any(self._low(origin) for origin in self._refills)
 
-    async def _claim(self, limit: int) -> store.ClaimedBatch:
+    async def _claim(self, limit: int) -> ClaimedBatch:
         # What this process held per origin when the claim went out: the statement counted at
         # most that (requests may end while it runs), so an origin whose held plus claimed
         # reaches the budget may have had due work left behind.

@@ -25,8 +25,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import breaker_rows, store
 from outbox.config import Settings
+from outbox.leases import Claimed, Completion
 from outbox.schema import subscribers
-from outbox.store import Claimed, Completion
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout

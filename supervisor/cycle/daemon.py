@@ -32,7 +32,7 @@ from outbox.migrate import SchemaCheck, check_schema
 from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
-from outbox.store import Claimed
+from outbox.leases import Claimed
 from supervisor.observe import events, tracing
 from supervisor.cycle.attempt import Outcome, attempt
 from supervisor.cycle.claimer import Claimer

@@ -28,7 +28,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
-from outbox.store import Claimed
+from outbox.leases import Claimed
 
 # A waiting message's attempt must end this long before its lease does (or half the time a
 # lease leaves beyond one attempt, if that is less).

@@ -21,7 +21,7 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, ContextManager
 
 from outbox.errors import ConfigurationError
-from outbox.store import Claimed
+from outbox.leases import Claimed
 from outbox.urls import public_url
 
 if TYPE_CHECKING:  # the cycle imports this module: the attempt's types only for annotations
