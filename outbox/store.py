@@ -39,7 +39,7 @@ def _is_pg(conn: AsyncConnection) -> bool:
     return conn.dialect.name == "postgresql"
 
 
-def _json_rows(pg: bool, columns: Sequence[tuple[str, str]]) -> str:
+def json_rows(pg: bool, columns: Sequence[tuple[str, str]]) -> str:
     """A row source reading ``:rows`` (a JSON array of objects) on either database."""
     if pg:
         spec = ", ".join(f"{name} {_PG_TYPES[kind]}" for name, kind in columns)
@@ -60,7 +60,7 @@ class _Statements:
         self.claim = text(claim_sql(pg, now))
         self.gather_due = text(GATHER_DUE)
         # RETURNING must name bare columns (SQLite), so the row source avoids the table's names.
-        completion = _json_rows(pg, [
+        completion = json_rows(pg, [
             ("mid", "int"), ("tok", "text"), ("new_state", "text"), ("new_reason", "text"),
             ("new_next", "float"), ("delta", "int"), ("new_status", "int"), ("new_error", "text"),
             ("new_origin", "text"),
@@ -269,7 +269,7 @@ def _pg_attempt_insert(columns: tuple[str, ...]) -> TextClause:
     """One INSERT of a batch's attempt rows from a JSON array, per set of columns (one
     object per set, so its rendering is cached like every statement's)."""
     names = ", ".join(columns)
-    source = _json_rows(True, [(name, _KINDS.get(attempts.c[name].type.python_type, "text")) for name in columns])
+    source = json_rows(True, [(name, _KINDS.get(attempts.c[name].type.python_type, "text")) for name in columns])
     return text(f"INSERT INTO outbox_attempts ({names}) SELECT {names} FROM {source}")
 
 

@@ -26,7 +26,7 @@ from sqlalchemy import and_, delete, func, select, text, true, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import LATENCY_BOUNDS_MS, PG_NOW, SQLITE_NOW, breakers, endpoint_stats
-from outbox.store import _json_rows as json_rows
+from outbox.store import json_rows
 from outbox.activity import rfc3339
 
 BUCKETS = len(LATENCY_BOUNDS_MS) + 1
