@@ -15,13 +15,17 @@ daemon's less frequent statements, where preparing saves nothing that matters.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox.config_values import normalize_database_url
+
+if TYPE_CHECKING:
+    from outbox.config import Settings
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -63,6 +67,25 @@ def configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+# Idle connections are probed after 10 s, every 5 s, and dropped after 3 lost probes.
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+
+
+def connect_options(settings: "Settings") -> dict[str, Any]:
+    """libpq options (``connect_args`` of a PostgreSQL engine, ``kwargs`` of a psycopg pool)
+    that bound connecting and a dead peer by ``OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS``.
+
+    Without them a connection to a server that stopped answering (a failover that left the
+    old address silent, a host gone) waits for the operating system: about two minutes to
+    give up connecting, and hours for an answer on a connection already open (TCP keepalives
+    start after two hours by default). Every PostgreSQL connection of the daemon and its
+    tools carries them; so should a seller's code the daemon runs (the reporting hand-off's
+    factory, docs/reporting.md).
+    """
+    timeout = settings.database_statement_timeout_seconds
+    return {"connect_timeout": max(2, math.ceil(timeout)), **_KEEPALIVES, "tcp_user_timeout": int(timeout * 1000)}
 
 
 NO_PREPARED_STATEMENTS: dict[str, Any] = {"prepare_threshold": None}  # psycopg: works behind any pooler

@@ -27,10 +27,10 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from outbox.config import Settings
-from outbox.db import make_async_engine
+from outbox.db import connect_options, make_async_engine
 from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
 from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS, daemon_engine
-from supervisor.cycle.pgdirect import DirectConnection, connect_options, startup_options
+from supervisor.cycle.pgdirect import DirectConnection, startup_options
 from supervisor.observe.health import READY_CACHE_SECONDS, READY_CHECK_SECONDS
 from tests import procs
 from tests.console_driver import TOKEN, console_env, signed_in

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -18,9 +20,9 @@ import pytest
 
 from outbox.config import Settings
 from outbox.errors import ConfigurationError
-from supervisor.cycle.reporting_handoff import build_handoffs
+from supervisor.cycle.reporting_handoff import build_handoffs, close_all
 from tests import procs
-from tests.reporting_world import KEY, with_example_handoff
+from tests.reporting_world import EXAMPLES, KEY, with_example_handoff
 
 
 def _factory_module(where: Path, name: str, body: str) -> None:
@@ -100,3 +102,36 @@ def test_a_factory_that_cannot_be_used_is_a_configuration_error(tmp_path, monkey
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'unused.db'}", reporting_handoff=path)
     with pytest.raises(ConfigurationError, match=said):
         asyncio.run(build_handoffs(settings))
+
+
+def test_the_example_factorys_connections_give_up_on_a_server_that_stopped_answering(tmp_path, monkeypatch):
+    """The example hand-off's own engine (``docs/examples``) connects with the daemon's bounds:
+    to a server that accepts and never answers (the address a failover left silent) it fails
+    within the default statement timeout, 15 s, and the next turn connects afresh. Without
+    them the connect waited for the operating system, the turn with it, and reporting
+    stopped while delivery went on."""
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel completes the handshake; no one answers
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    for name, value in with_example_handoff({}).items():
+        if name.startswith("REPORTING_"):
+            monkeypatch.setenv(name, value)
+    from reporting_handoff import build
+
+    settings = Settings(database_url=f"postgresql://outboxd@127.0.0.1:{silent.getsockname()[1]}/outboxd")
+
+    async def connect_once() -> tuple[BaseException | None, float]:
+        handoffs = await build(settings)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(lambda: handoffs[0].engine.connect().close()), 40)
+            return None, time.monotonic() - started
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is asserted
+            return exc, time.monotonic() - started
+        finally:
+            silent.close()  # frees a connect still waiting, and the pool's own attempts
+            await close_all(handoffs)
+
+    error, took = asyncio.run(connect_once())
+    print(f"\nthe example's engine gave up on a silent server after {took:.1f} s: {type(error).__name__}")
+    assert error is not None and not isinstance(error, TimeoutError), f"{error!r} after {took:.1f} s"
+    assert took < 20, f"gave up after {took:.1f} s"

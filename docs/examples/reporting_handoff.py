@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 from sqlalchemy.engine import make_url
 
 from outbox.config import Settings
-from outbox.db import make_engine
+from outbox.db import connect_options, make_engine
 from outbox.reporting import PG_LEDGER_QUEUE, PG_STATUS_QUEUE, ReportingHandoff, pg_backlog
 from outbox.reporting_subscriptions import OutboxSubscriptionResolver
 
@@ -35,9 +35,12 @@ async def build(settings: Settings) -> list[ReportingHandoff]:
     tenant = os.environ["REPORTING_TENANT_ID"]
     cipher = ReportingEnvelopeCipher(base64.b64decode(os.environ["REPORTING_CIPHER_KEY"]))
     conninfo = make_url(settings.database_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    pool = AsyncConnectionPool(conninfo, min_size=1, max_size=2, open=False)
+    # Bounded like the daemon's own connections: a server that stops answering fails a turn
+    # within OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS, and the next turn connects afresh.
+    bounds = connect_options(settings)
+    pool = AsyncConnectionPool(conninfo, min_size=1, max_size=2, open=False, kwargs=bounds)
     await pool.open()
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, connect_args=bounds)
     subscriptions = OutboxSubscriptionResolver(engine, tenant, settings)
 
     async def close() -> None:

@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
-from outbox.db import is_postgresql, make_async_engine
+from outbox.db import connect_options, is_postgresql, make_async_engine
 from outbox.migrate import SchemaCheck, check_schema
 from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
@@ -50,7 +50,7 @@ from supervisor.cycle.resealer import Resealer, held_line
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
 from supervisor.cycle.cutoff import Cutoff, severed_after
-from supervisor.cycle.pgdirect import check_each_connection, connect_options, startup_options
+from supervisor.cycle.pgdirect import check_each_connection, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
 
 
@@ -93,7 +93,7 @@ async def _schema_check(engine: AsyncEngine, within: float | None = None) -> Sch
 
 def daemon_engine(settings: Settings) -> AsyncEngine:
     """The daemon's SQLAlchemy engine: on PostgreSQL with the timeouts and keepalives of
-    :func:`supervisor.cycle.pgdirect.connect_options` and the startup options of
+    :func:`outbox.db.connect_options` and the startup options of
     :func:`supervisor.cycle.pgdirect.startup_options`, checked on each new connection."""
     if not is_postgresql(settings.database_url):
         return make_async_engine(settings.database_url)

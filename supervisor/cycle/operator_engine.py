@@ -3,7 +3,7 @@ the daemon's connection settings it shares (:mod:`supervisor.cycle.pgdirect`).
 
 A database that accepts the connection and never answers (a stuck pooler, a black hole)
 fails a command within the connect timeout rather than never: on PostgreSQL the engine
-connects with :func:`supervisor.cycle.pgdirect.connect_options`.
+connects with :func:`outbox.db.connect_options`.
 
 And a transaction the tool can no longer reach ends on the server: each PostgreSQL
 transaction starts with ``SET LOCAL idle_in_transaction_session_timeout`` of
@@ -25,8 +25,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
-from outbox.db import is_postgresql
-from supervisor.cycle.pgdirect import connect_options
+from outbox.db import connect_options, is_postgresql
 
 __all__ = ["operator_engine"]
 

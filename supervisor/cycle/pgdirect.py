@@ -12,7 +12,7 @@ the result interface they use is here). Everything else (breakers, proofs, maint
 the CLI) stays on SQLAlchemy; SQLite stays on SQLAlchemy altogether.
 
 Every connection the daemon opens to PostgreSQL (these, the engine's, LISTEN's) has a
-connect timeout, TCP keepalives and a TCP user timeout (:func:`connect_options`), and each
+connect timeout, TCP keepalives and a TCP user timeout (:func:`outbox.db.connect_options`), and each
 statement here a deadline of ``OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS``, kept by the
 client: an unreachable database (a network black hole, a stuck pooler) fails the statement
 and the outage guard counts it, where it would otherwise hang a claim or a flush for ever.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import re
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -44,23 +43,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql import ClauseElement
 
 from outbox.config import Settings
+from outbox.db import connect_options
 from supervisor.cycle.cutoff import Cutoff, severed_after
 
 __all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "check_each_connection",
-           "check_startup_options", "connect_options", "startup_options"]
+           "check_startup_options", "startup_options"]
 
 Params = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 _PYFORMAT = re.compile(r"%\((\w+)\)s|%%")  # psycopg's named placeholders, and the escaped %
 _CACHE_SIZE = 64
-# Idle connections are probed after 10 s, every 5 s, and dropped after 3 lost probes.
-_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
-
-
-def connect_options(settings: Settings) -> dict[str, Any]:
-    """libpq options that bound connecting and a dead peer by the statement timeout."""
-    timeout = settings.database_statement_timeout_seconds
-    return {"connect_timeout": max(2, math.ceil(timeout)), **_KEEPALIVES, "tcp_user_timeout": int(timeout * 1000)}
-
 
 class StartupOptionsIgnored(Exception):
     """A connection came up without the startup options it sent: something between the
