@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -86,6 +86,23 @@ def connect_options(settings: "Settings") -> dict[str, Any]:
     """
     timeout = settings.database_statement_timeout_seconds
     return {"connect_timeout": max(2, math.ceil(timeout)), **_KEEPALIVES, "tcp_user_timeout": int(timeout * 1000)}
+
+
+def bound_idle_in_transaction(connection: Connection, settings: "Settings") -> None:
+    """End this transaction on the server if its client goes quiet inside it for
+    ``OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS`` (PostgreSQL; nothing on SQLite).
+
+    A network black hole that swallows a transaction's next statement or its ``COMMIT``
+    leaves the server waiting on a client that is gone, holding what the transaction locked
+    (a row it inserted keeps its unique key taken, so the same message enqueued again
+    waits) until its TCP keepalives give up, hours later. ``SET LOCAL``, not a startup
+    option or a session ``SET``: it works behind a transaction pooler too, and ends with the
+    transaction. One round trip per transaction; call it first in each one whose writer
+    runs its statements back to back.
+    """
+    if connection.dialect.name == "postgresql":
+        idle_ms = int(settings.database_statement_timeout_seconds * 1000)
+        connection.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {idle_ms}")
 
 
 NO_PREPARED_STATEMENTS: dict[str, Any] = {"prepare_threshold": None}  # psycopg: works behind any pooler

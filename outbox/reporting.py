@@ -26,6 +26,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox.config import Settings
+from outbox.db import bound_idle_in_transaction
 from outbox.errors import ConfigurationError, IdempotencyConflictError, OutboxValidationError
 from outbox.events import SubscriberUnavailable, enqueue_subscriber_body
 from outbox.producer import default_settings
@@ -119,8 +120,11 @@ class ReportingHandoff:
             await self._close()
 
     def commit_message(self, binding: Any, body: bytes) -> int:
-        """Commit the outboxd message for one opened delivery (its own transaction)."""
+        """Commit the outboxd message for one opened delivery (its own transaction, which the
+        server ends if a black hole cuts it off: :func:`outbox.db.bound_idle_in_transaction`;
+        else the message's key stays taken and the delivery's next hand-off waits on it)."""
         with self.engine.begin() as conn:
+            bound_idle_in_transaction(conn, self.settings)
             return enqueue_subscriber_body(conn, tenant_id=self.tenant_id, account_id=binding.account_id,
                                            subscriber_id=binding.subscriber_id, principal_id=binding.principal_id,
                                            body=body, settings=self.settings).id

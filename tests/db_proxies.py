@@ -99,15 +99,15 @@ def stalling_proxy(url: str, kind: type[StallingProxy] = StallingProxy) -> Itera
 
 class CommitSwallowingProxy(StallingProxy):
     """Forwards as :class:`StallingProxy` does until a client commits a transaction that
-    updated something: then it stalls, that ``COMMIT`` included, as a black hole that opened
-    between a transaction's last statement and its commit."""
+    updated or inserted something: then it stalls, that ``COMMIT`` included, as a black hole
+    that opened between a transaction's last statement and its commit."""
 
     def _watcher(self, upstream: bool) -> Callable[[bytes], None]:
         wrote = False
 
         def watch(data: bytes) -> None:
             nonlocal wrote
-            wrote = wrote or (upstream and b"UPDATE " in data)
+            wrote = wrote or (upstream and (b"UPDATE " in data or b"INSERT " in data))
             if wrote and b"COMMIT\x00" in data:  # the statement's text, as the protocol ends it
                 self.stall()
 

@@ -5,7 +5,9 @@ registrations, the SDK's ledger events and clock, and one verifying receiver per
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,8 +24,13 @@ from adcp.reporting.ledger.notification_models import (
     StatusChanged,
     new_event,
 )
-from adcp.reporting.outbox import InMemoryReportingOutbox, ReportingEnvelopeCipher, ReportingNotificationSubscription
-from outbox.schema import messages
+from adcp.reporting.outbox import (
+    InMemoryReportingOutbox,
+    ReportingEnvelopeCipher,
+    ReportingNotificationSubscription,
+    validate_notification_payload,
+)
+from outbox.schema import messages, subscribers
 from tests import procs
 from tests.ledger import THROWAWAY_KEY, loopback_producer
 
@@ -94,6 +101,23 @@ def register(engine, sid: str, principal: str, url: str, event_types=TYPES, tena
         outbox.register_subscriber(conn, tenant_id=tenant, account_id=ACCOUNT, principal_id=principal,
                                    notification_config={"subscriber_id": sid, "url": url,
                                                         "event_types": list(event_types)}, settings=SETTINGS)
+
+
+def prove_all(engine) -> None:
+    """Every subscriber's URL proof settled (the daemon's part; tests/test_reporting_e2e.py runs it)."""
+    with engine.begin() as conn:
+        conn.execute(subscribers.update().values(state="active", proven_sha256=subscribers.c.config_sha256))
+
+
+def ledger_body(subscriber_id: str, key: str | None = None, **changes) -> bytes:
+    """A ``reporting.ledger_changed`` body for ``subscriber_id``, as the SDK renders one (its
+    own payload validation passes it)."""
+    body = {"account_id": ACCOUNT, "change_kind": "revision_published", "finality": "snapshot",
+            "fired_at": "2026-12-01T10:00:00Z", "idempotency_key": key or str(uuid.uuid4()),
+            "notification_id": "evt_1", "notification_type": LEDGER, "reporting_revision_id": "rev_1",
+            "subscriber_id": subscriber_id, **changes}
+    validate_notification_payload(body)
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
 def causes(consumer: str) -> list:

@@ -12,6 +12,8 @@ only the client's own statement deadline does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -19,15 +21,24 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from adcp.reporting.ledger import InMemoryReportingLedgerStore
+from adcp.reporting.outbox import (
+    DeliveryBinding,
+    InMemoryReportingOutbox,
+    ReportingEnvelopeCipher,
+    ReportingNotificationWorker,
+)
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from outbox.config import Settings
-from outbox.db import connect_options, make_async_engine
+from outbox.db import connect_options, make_async_engine, make_engine
+from outbox.reporting import ReportingHandoff
 from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
 from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS, daemon_engine
 from supervisor.cycle.pgdirect import DirectConnection, startup_options
@@ -36,6 +47,7 @@ from tests import procs
 from tests.console_driver import TOKEN, console_env, signed_in
 from tests.db_proxies import CommitSwallowingProxy, stalling_proxy
 from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key, states
+from tests.reporting_world import ACCOUNT, LEDGER, SETTINGS, Registry, ledger_body, message_count, prove_all, register
 
 
 def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engine, pg_url, tmp_path):
@@ -364,3 +376,47 @@ def test_sigterm_while_the_database_black_holes_with_the_reporting_handoff_ends_
             rc, took = procs.stop_timed(daemon)
         print(f"\nSIGTERM with the database black-holed and the hand-off waiting on it: exit {rc} after {took:.1f} s")
         assert rc == 0 and took < 30, f"exit {rc} {took:.1f} s after SIGTERM; {exit_line(log)}"
+
+
+def test_a_handoff_whose_commit_a_black_hole_swallowed_holds_its_key_only_for_the_statement_timeout(pg_engine,
+                                                                                                    pg_url):
+    """The reporting hand-off stores each SDK delivery as an outboxd message in a transaction
+    of the seller's engine. A black hole that swallows its ``COMMIT`` leaves the server holding
+    the new row, its (tenant, key) taken: the same delivery handed off again (its SDK lease
+    lapsed) waited on it until the server's TCP keepalives gave up, hours later. The hand-off
+    bounds its own transaction, whatever engine a factory gives it, so at the defaults the
+    next hand-off stores the message about 15 s after the black hole."""
+    settings = Settings(database_url=pg_url)
+    register(pg_engine, "sub-a", "buyer-a", "http://127.0.0.1:9/a")
+    prove_all(pg_engine)
+    body = ledger_body("sub-a")
+    key = json.loads(body)["idempotency_key"]
+    binding = DeliveryBinding(
+        account_id=ACCOUNT, delivery_id="dlv_1", subscriber_id="sub-a", principal_id="buyer-a",
+        notification_id="evt_1", notification_type=LEDGER, emission_generation=1, idempotency_key=key,
+        destination_sha256="0" * 64, subscription_fingerprint="f", signing_scope_id=None, cause_kind="revision",
+        cause_id="rev_1", cause_generation=1, consumer_namespace="buyer-a", auth_mode="none",
+        body_sha256=hashlib.sha256(body).hexdigest(), envelope_version=1, key_version="k1")
+    worker = ReportingNotificationWorker(outbox=InMemoryReportingOutbox(InMemoryReportingLedgerStore(notifications=True)),
+                                         subscriptions=Registry(), cipher=ReportingEnvelopeCipher(os.urandom(32)))
+
+    def handoff(engine: Any) -> ReportingHandoff:
+        return ReportingHandoff(worker=worker, engine=engine, tenant_id="t1", settings=SETTINGS)
+
+    # The proxy closes first: what still waits on it fails, and the pool can end.
+    with ThreadPoolExecutor(2) as pool, stalling_proxy(pg_url, CommitSwallowingProxy) as (proxy, proxied):
+        cut_engine = make_engine(proxied)
+        pool.submit(handoff(cut_engine).commit_message, binding, body)  # its COMMIT goes into the black hole
+        assert proxy.stalled.wait(30), "the hand-off never committed"
+        cut = time.monotonic()
+        again = pool.submit(handoff(pg_engine).commit_message, binding, body)  # the delivery handed off again
+        try:
+            stored = again.result(timeout=settings.database_statement_timeout_seconds + 15)
+        except TimeoutError:
+            stored = None
+        took = time.monotonic() - cut
+    cut_engine.dispose()
+    print(f"\nthe delivery handed off again {'stored' if stored else 'still waiting'} {took:.1f} s after the "
+          "black hole swallowed the first hand-off's COMMIT")
+    assert stored and took <= settings.database_statement_timeout_seconds + 3, f"{took:.1f} s"
+    assert message_count(pg_engine) == 1

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 from sqlalchemy import select
 
 import outbox
-from adcp.reporting.outbox import ReportingNotificationSubscription, validate_notification_payload
+from adcp.reporting.outbox import ReportingNotificationSubscription
 from outbox.config import with_overrides
 from outbox.events import SubscriberUnavailable, enqueue_subscriber_body
 from outbox.reporting_subscriptions import OutboxSubscriptionResolver
-from outbox.schema import messages, subscribers
+from outbox.schema import messages
 from outbox.sealing import plaintext
-
-ACCOUNT = "acct_1"
-LEDGER = "reporting.ledger_changed"
-
+from tests.reporting_world import ACCOUNT, LEDGER, ledger_body, prove_all
 
 @pytest.fixture
 def cfg(settings):
@@ -36,21 +32,6 @@ def register(engine, cfg, sid: str, principal: str | None, events=(LEDGER, "acco
         outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, principal_id=principal, settings=cfg,
                                    notification_config={"subscriber_id": sid, "url": f"http://127.0.0.1:9/{sid}",
                                                         "event_types": list(events)})
-
-
-def prove_all(engine) -> None:
-    """Every subscriber's URL proof settled (the daemon's part; tests/test_reporting_e2e.py runs it)."""
-    with engine.begin() as conn:
-        conn.execute(subscribers.update().values(state="active", proven_sha256=subscribers.c.config_sha256))
-
-
-def ledger_body(subscriber_id: str, key: str | None = None, **changes) -> bytes:
-    body = {"account_id": ACCOUNT, "change_kind": "revision_published", "finality": "snapshot",
-            "fired_at": "2026-12-01T10:00:00Z", "idempotency_key": key or str(uuid.uuid4()),
-            "notification_id": "evt_1", "notification_type": LEDGER, "reporting_revision_id": "rev_1",
-            "subscriber_id": subscriber_id, **changes}
-    validate_notification_payload(body)
-    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
 
 def store(engine, cfg, sid: str, principal: str, body: bytes) -> int:
