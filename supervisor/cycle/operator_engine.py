@@ -1,5 +1,5 @@
-"""The database engine of the operator's tools (the CLI, the console, ``outboxd migrate``), kept beside
-the daemon's connection settings it shares (:mod:`supervisor.cycle.pgdirect`).
+"""The database engine of the operator's tools (the CLI, the console, ``outboxd migrate``), with the
+bounds every PostgreSQL connection of the daemon has (:mod:`outbox.db`).
 
 A database that accepts the connection and never answers (a stuck pooler, a black hole)
 fails a command within the connect timeout rather than never: on PostgreSQL the engine
