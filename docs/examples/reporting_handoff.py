@@ -36,7 +36,7 @@ async def build(settings: Settings) -> list[ReportingHandoff]:
     cipher = ReportingEnvelopeCipher(base64.b64decode(os.environ["REPORTING_CIPHER_KEY"]))
     conninfo = make_url(settings.database_url).set(drivername="postgresql").render_as_string(hide_password=False)
     # Bounded like the daemon's own connections: a server that stops answering fails a turn
-    # within OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS, and the next turn connects afresh.
+    # within seconds (outbox.db.connect_options), and the next turn connects afresh.
     bounds = connect_options(settings)
     pool = AsyncConnectionPool(conninfo, min_size=1, max_size=2, open=False, kwargs=bounds)
     await pool.open()
