@@ -138,5 +138,11 @@ def make_async_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
     return engine
 
 
+def libpq_url(url: str | URL) -> str:
+    """A SQLAlchemy URL (``postgresql+psycopg://…``, ``postgres://…``) as libpq and psycopg
+    take it: for a psycopg connection or pool beside the engines."""
+    return _parsed(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 def is_postgresql(url: str | URL) -> bool:
     return _parsed(url).get_backend_name() == "postgresql"

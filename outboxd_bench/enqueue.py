@@ -118,10 +118,9 @@ class _SdkVariants:
     """The SDK's transaction alone and with ``enqueue_terminal``, on its own event loop and pool."""
 
     def __init__(self, bench: Bench) -> None:
-        from sqlalchemy.engine import make_url
+        from outbox.db import libpq_url
 
-        self._dsn = make_url(bench.settings.database_url).set(drivername="postgresql").render_as_string(
-            hide_password=False)
+        self._dsn = libpq_url(bench.settings.database_url)
         self._url = bench.main.url("/ok")
         self._options = seller_driver_options(bench.settings)
         self._loop = asyncio.new_event_loop()

@@ -26,11 +26,11 @@ TABLE = "adcp_task_webhook_outbox"
 def phase_peer(bench: Any) -> dict[str, Any]:
     """Run the SDK's outbox over ``--messages`` in its own process; PostgreSQL CPU from /proc."""
     from outboxd_bench.procs import CpuMeter, PhaseError, spawn, wait_for
-    from sqlalchemy.engine import make_url
+    from outbox.db import libpq_url
 
     n = bench.options.messages
     timeout = 30.0 + n / 10.0  # the SDK drains one at a time: allow >= 10/s
-    dsn = make_url(bench.settings.database_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    dsn = libpq_url(bench.settings.database_url)
     out, ready = bench.workdir / "peer.json", bench.workdir / "peer.json.draining"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     if bench.ca_file is not None:

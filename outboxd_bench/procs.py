@@ -110,9 +110,9 @@ class CpuMeter:
 
     def start(self) -> "CpuMeter":
         import psycopg
-        from sqlalchemy.engine import make_url
+        from outbox.db import libpq_url
 
-        dsn = make_url(self._engine.url).set(drivername="postgresql").render_as_string(hide_password=False)
+        dsn = libpq_url(self._engine.url)
         self._conn = psycopg.connect(dsn, autocommit=True)
         self._backends0 = self._backends(self._conn)
         self._sampler = threading.Thread(target=self._sample, args=(self._conn,), name="cpu-meter", daemon=True)

@@ -25,7 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 import outbox
-from outbox.db import make_engine
+from outbox.db import libpq_url, make_engine
 from outbox.migrate import upgrade
 
 PNC = {"url": "https://buyer.example.com/hooks/adcp", "operation_id": "op_1", "token": "tok_abcdefghijklmnop"}
@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     server = os.environ.get("OUTBOX_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     name = f"outboxd_enqueue_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(make_url(server).set(drivername="postgresql").render_as_string(False),
+    with psycopg.connect(libpq_url(server),
                          autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
     url = make_url(server).set(database=name).render_as_string(hide_password=False)
@@ -71,7 +71,7 @@ def main() -> None:
               f"p99 {percentile(with_enqueue, 99) - percentile(plain, 99):.3f} ms")
     finally:
         engine.dispose()
-        with psycopg.connect(make_url(server).set(drivername="postgresql").render_as_string(False),
+        with psycopg.connect(libpq_url(server),
                              autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

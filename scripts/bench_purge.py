@@ -27,7 +27,7 @@ from sqlalchemy.engine import make_url
 from outbox.db import make_async_engine, make_engine
 from outbox.migrate import upgrade
 from outbox.partitions import DAY, drop_attempt_partitions
-from supervisor.cycle.pgdirect import libpq_url
+from outbox.db import libpq_url
 
 RETENTION_DAYS = 30
 

@@ -30,6 +30,7 @@ from adcp.reporting.outbox import (
     ReportingNotificationSubscription,
     validate_notification_payload,
 )
+from outbox.db import libpq_url
 from outbox.schema import messages, subscribers
 from tests import procs
 from tests.ledger import THROWAWAY_KEY, loopback_producer
@@ -55,10 +56,9 @@ def create_sdk_queues(pg_url: str) -> None:
     from adcp_reporting_storage.outbox.pg import PgReportingOutbox
     from adcp_reporting_storage.outbox.status_pg import PgReportingStatusOutbox
     from psycopg_pool import AsyncConnectionPool
-    from sqlalchemy.engine import make_url
 
     async def create() -> None:
-        conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+        conninfo = libpq_url(pg_url)
         async with AsyncConnectionPool(conninfo, min_size=1, max_size=1) as pool:
             await PgReportingOutbox(pool=pool).create_schema()
             await PgReportingStatusOutbox(pool=pool).create_schema()

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from outbox.config import load_settings
-from outbox.db import make_engine
+from outbox.db import libpq_url, make_engine
 from outbox.migrate import upgrade
 from outboxd_bench import run_bench
 from outboxd_bench.procs import BenchUsageError
@@ -88,7 +88,7 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
     assert report["checkpoints_between_phases"] is True  # each phase began on a settled server
     assert {t["target"] for t in report["targets"]} and all(isinstance(t["pass"], bool) for t in report["targets"])
     # The bench leaves the outbox empty behind it.
-    with psycopg.connect(make_url(bench_url).set(drivername="postgresql").render_as_string(False)) as conn:
+    with psycopg.connect(libpq_url(bench_url)) as conn:
         assert conn.execute("SELECT count(*) FROM outbox_messages").fetchone() == (0,)
 
 
@@ -100,7 +100,7 @@ def test_bench_refuses_sqlite(tmp_path: object) -> None:
 
 def test_bench_refuses_a_non_empty_outbox(bench_url: str, capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    with psycopg.connect(make_url(bench_url).set(drivername="postgresql").render_as_string(False)) as conn:
+    with psycopg.connect(libpq_url(bench_url)) as conn:
         conn.execute("INSERT INTO outbox_sequences (stream_key, last_value) VALUES ('someone', 1)")
     monkeypatch.setenv("OUTBOX_DATABASE_URL", bench_url)
     assert main(["bench", "--messages", "10"]) == 1

@@ -7,14 +7,14 @@ from __future__ import annotations
 import time
 
 import psycopg
-from sqlalchemy.engine import make_url
 
+from outbox.db import libpq_url
 from outboxd_bench.procs import BACKEND_SAMPLE_SECONDS, CpuMeter, cpu_seconds
 
 
 def test_cpu_meter_counts_a_backend_that_closed_before_the_end(pg_engine):
     meter = CpuMeter(pg_engine, [], []).start()
-    dsn = make_url(pg_engine.url).set(drivername="postgresql").render_as_string(hide_password=False)
+    dsn = libpq_url(pg_engine.url)
     with psycopg.connect(dsn) as conn:
         pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
         before = cpu_seconds(pid)

@@ -8,9 +8,8 @@ import threading
 import time
 
 import psycopg
-from sqlalchemy.engine import make_url
 
-from outbox.db import make_async_engine, make_engine
+from outbox.db import libpq_url, make_async_engine, make_engine
 from outbox.migrate import upgrade
 from outbox.partitions import AHEAD_DAYS, DAY, drop_attempt_partitions, ensure_attempt_partitions
 
@@ -18,10 +17,6 @@ from outbox.partitions import AHEAD_DAYS, DAY, drop_attempt_partitions, ensure_a
 OLD_INSERT = ("INSERT INTO outbox_attempts (message_id, tenant_id, url, attempt_number, outcome, will_retry, "
               "idempotency_key, trigger{extra}) VALUES (%s, 't', 'https://b.example/h', 1, 'success', false, "
               "'whk_k', 'scheduled'{values})")
-
-
-def _dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _partitions(conn: psycopg.Connection) -> list[str]:
@@ -33,12 +28,12 @@ def _partitions(conn: psycopg.Connection) -> list[str]:
 def test_migration_converts_existing_history_and_old_inserts_keep_working(fresh_db: str) -> None:
     engine = make_engine(fresh_db)
     upgrade(engine, "0001")
-    with psycopg.connect(_dsn(fresh_db), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(fresh_db), autocommit=True) as conn:
         for i in range(3):
             conn.execute(OLD_INSERT.format(extra="", values=""), (i,))
     upgrade(engine)
     engine.dispose()
-    with psycopg.connect(_dsn(fresh_db), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(fresh_db), autocommit=True) as conn:
         assert conn.execute("SELECT relkind FROM pg_class WHERE relname = 'outbox_attempts'").fetchone() == ("p",)
         names = _partitions(conn)
         assert "outbox_attempts_before_0007" in names
@@ -56,7 +51,7 @@ def test_migration_converts_existing_history_and_old_inserts_keep_working(fresh_
 async def test_purge_drops_old_partitions_without_blocking_inserts(fresh_db: str) -> None:
     upgrade(make_engine(fresh_db))
     today = time.time() // DAY * DAY
-    with psycopg.connect(_dsn(fresh_db), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(fresh_db), autocommit=True) as conn:
         # 30+ days on: the pre-0007 partition is gone, daily ones hold 40 and 39 days ago
         conn.execute("ALTER TABLE outbox_attempts DETACH PARTITION outbox_attempts_before_0007")
         conn.execute("DROP TABLE outbox_attempts_before_0007")
@@ -70,7 +65,7 @@ async def test_purge_drops_old_partitions_without_blocking_inserts(fresh_db: str
     engine = make_async_engine(fresh_db)
     try:
         # a delivery transaction holds its insert open while the purge runs
-        holder = psycopg.connect(_dsn(fresh_db))
+        holder = psycopg.connect(libpq_url(fresh_db))
         holder.execute(OLD_INSERT.format(extra="", values=""), (1,))
         purge = asyncio.ensure_future(drop_attempt_partitions(engine, older_than=30 * DAY))
         await asyncio.sleep(1.0)
@@ -78,7 +73,7 @@ async def test_purge_drops_old_partitions_without_blocking_inserts(fresh_db: str
 
         def insert_meanwhile() -> None:
             try:
-                with psycopg.connect(_dsn(fresh_db), autocommit=True) as other:
+                with psycopg.connect(libpq_url(fresh_db), autocommit=True) as other:
                     other.execute("SET lock_timeout = '2s'")
                     other.execute(OLD_INSERT.format(extra="", values=""), (2,))
             except BaseException as exc:  # noqa: BLE001 - reported by the assert below
@@ -95,6 +90,6 @@ async def test_purge_drops_old_partitions_without_blocking_inserts(fresh_db: str
         assert await ensure_attempt_partitions(engine) == 0  # every coming day already exists
     finally:
         await engine.dispose()
-    with psycopg.connect(_dsn(fresh_db), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(fresh_db), autocommit=True) as conn:
         assert sorted(r[0] for r in conn.execute("SELECT message_id FROM outbox_attempts")) == [0, 1, 2]
         assert not [n for n in _partitions(conn) if "old" in n]

@@ -30,6 +30,7 @@ from adcp.reporting.outbox import (
     ReportingNotificationWorker,
     validate_notification_payload,
 )
+from outbox.db import libpq_url
 from outbox.reporting import ReportingHandoff
 from outbox.schema import attempts, messages
 from supervisor import cli
@@ -175,12 +176,11 @@ async def record_in_postgres(pool, *items) -> list:
 def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg_url, sdk_queues, tmp_path, receiver,
                                                                    monkeypatch, capsys):
     from psycopg_pool import AsyncConnectionPool
-    from sqlalchemy.engine import make_url
 
     key, base, log, _ = receiver
     register(pg_engine, "dm-a", "buyer-a", f"{base}/ok/dm-a")
     register(pg_engine, "dm-b", "buyer-b", f"{base}/ok/dm-b", ("reporting.ledger_changed",))
-    conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conninfo = libpq_url(pg_url)
 
     async def with_pool(work):
         async with AsyncConnectionPool(conninfo, min_size=1, max_size=2) as pool:

@@ -15,6 +15,7 @@ from sqlalchemy.engine import make_url
 
 import outbox
 from outbox.config import ConfigurationError
+from outbox.db import libpq_url
 from outbox.schema import messages
 from outbox.sealing import KeyUnavailable, SealError, key_id
 from outbox.sealing import plaintext
@@ -69,7 +70,7 @@ def raw_table_bytes(engine) -> bytes:
         path = Path(make_url(str(engine.url)).database)
         engine.dispose()
         return b"".join(p.read_bytes() for p in (path, Path(f"{path}-wal")) if p.exists())
-    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    url = libpq_url(engine.url)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("CHECKPOINT")
         data_dir = Path(conn.execute("SHOW data_directory").fetchone()[0])

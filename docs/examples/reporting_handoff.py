@@ -21,10 +21,9 @@ from adcp.reporting.outbox import ReportingEnvelopeCipher, ReportingNotification
 from adcp_reporting_storage.outbox.pg import PgReportingOutbox
 from adcp_reporting_storage.outbox.status_pg import PgReportingStatusOutbox
 from psycopg_pool import AsyncConnectionPool
-from sqlalchemy.engine import make_url
 
 from outbox.config import Settings
-from outbox.db import connect_options, make_engine
+from outbox.db import connect_options, libpq_url, make_engine
 from outbox.reporting import PG_LEDGER_QUEUE, PG_STATUS_QUEUE, ReportingHandoff, pg_backlog
 from outbox.reporting_subscriptions import OutboxSubscriptionResolver
 
@@ -34,7 +33,7 @@ async def build(settings: Settings) -> list[ReportingHandoff]:
     changes and delivery_ready in one, status changes in the other), outboxd's engine."""
     tenant = os.environ["REPORTING_TENANT_ID"]
     cipher = ReportingEnvelopeCipher(base64.b64decode(os.environ["REPORTING_CIPHER_KEY"]))
-    conninfo = make_url(settings.database_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    conninfo = libpq_url(settings.database_url)
     # Bounded like the daemon's own connections: a server that stops answering fails a turn
     # within seconds (outbox.db.connect_options), and the next turn connects afresh.
     bounds = connect_options(settings)

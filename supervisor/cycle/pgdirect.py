@@ -38,12 +38,11 @@ from psycopg import AsyncRawCursor
 from psycopg.rows import namedtuple_row
 from sqlalchemy import event
 from sqlalchemy.dialects.postgresql.psycopg import PGDialectAsync_psycopg
-from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql import ClauseElement
 
 from outbox.config import Settings
-from outbox.db import connect_options
+from outbox.db import connect_options, libpq_url
 from supervisor.cycle.cutoff import Cutoff, severed_after
 
 __all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "check_each_connection",
@@ -52,6 +51,7 @@ __all__ = ["DirectConnection", "DirectResult", "StartupOptionsIgnored", "check_e
 Params = Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
 _PYFORMAT = re.compile(r"%\((\w+)\)s|%%")  # psycopg's named placeholders, and the escaped %
 _CACHE_SIZE = 64
+
 
 class StartupOptionsIgnored(Exception):
     """A connection came up without the startup options it sent: something between the
@@ -141,11 +141,6 @@ def _gives_nothing_back(sql: str) -> bool:
     """Whether a statement returns nothing its caller reads: an INSERT without RETURNING."""
     head = sql.lstrip()[:6].upper()
     return head == "INSERT" and "RETURNING" not in sql.upper()
-
-
-def libpq_url(url: str) -> str:
-    """A SQLAlchemy URL (``postgresql+psycopg://…``) as libpq takes it."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 class DirectConnection:

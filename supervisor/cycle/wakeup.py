@@ -18,9 +18,9 @@ import psycopg
 import structlog
 
 from outbox.config import Settings
+from outbox.db import libpq_url
 from outbox.store import CHANNEL
 from supervisor.cycle.cutoff import Cutoff
-from supervisor.cycle.pgdirect import libpq_url
 
 
 def listen_url(settings: Settings) -> str | None:
