@@ -13,8 +13,8 @@ import asyncio
 
 import pytest
 
-from tests.wire_peers import (BODY, HEADERS, Request, answers_garbage, hangs_up, never_answers, ok, resets,
-                              sends_half_a_body)
+from tests.wire_peers import (BODY, HEADERS, IMPATIENT, Request, answers_garbage, hangs_up, loopback_settings,
+                              never_answers, ok, resets, sends_half_a_body)
 from tests.wire_peers import connects, event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
 
 
@@ -51,7 +51,7 @@ async def test_a_reused_connection_dropped_before_any_answer_byte_is_retried_at_
 async def test_any_other_failure_on_a_reused_connection_is_the_attempts(peers, senders, broken, kind,  # noqa: F811
                                                                         error) -> None:
     peer = await peers(second_request_on_a_connection(broken))
-    sender = senders()
+    sender = senders(loopback_settings(**(IMPATIENT if kind == "timeout" else {})))  # waits for its timeout
     url = f"http://127.0.0.1:{peer.port}/hook"
     assert (await sender.post(url, BODY, HEADERS)).status == 200
     result = await sender.post(url, BODY, HEADERS)

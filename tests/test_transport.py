@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from supervisor.wire.transport import RESPONSE_BODY_CAP, _default_resolver
-from tests.wire_peers import (BODY, HEADERS, answers_garbage, answers_late, hangs_up, loopback_settings, never_answers,
-                              ok, resets, response, sends_half_a_body, trickles)
+from tests.wire_peers import (BODY, HEADERS, IMPATIENT, answers_garbage, answers_late, hangs_up, loopback_settings,
+                              never_answers, ok, resets, response, sends_half_a_body, trickles)
 from tests.wire_peers import connects, event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
 
 SECRET = "SECRET123456"
@@ -265,7 +265,7 @@ async def test_https_sni_uses_url_host_while_connecting_to_pinned_ip(peers, send
          "trickle"],
 )
 async def test_hostile_receiver(peers, senders, handler, kind, error, max_seconds) -> None:
-    peer, sender = await peers(handler), senders()  # building the sender (its TLS context) is not the POST
+    peer, sender = await peers(handler), senders(loopback_settings(**IMPATIENT))  # building it is not the POST
     started = time.monotonic()
     result = await sender.post(f"http://127.0.0.1:{peer.port}/hook?token={SECRET}", BODY, HEADERS)
     took = time.monotonic() - started
@@ -286,7 +286,7 @@ async def test_deadline_frees_the_pool_slot(peers, senders) -> None:
         return await ok(request, reader, writer)
 
     peer = await peers(trickle_once)
-    sender = senders(loopback_settings(endpoint_concurrency=1))
+    sender = senders(loopback_settings(endpoint_concurrency=1, **IMPATIENT))
     first = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
     assert first.error_kind == "timeout"
     second = await sender.post(f"http://127.0.0.1:{peer.port}/", BODY, HEADERS)
