@@ -89,7 +89,7 @@ def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engin
 
 
 def test_sigterm_while_the_database_black_holes_ends_before_the_manifests_kill(pg_engine, pg_url, tmp_path):
-    """Every deadline at its default (statement timeout and shutdown grace 15 s): told to stop
+    """Every setting at its default (statement timeout and shutdown grace 15 s): told to stop
     while the database has stopped answering without closing anything, the daemon exits 1,
     naming what it left unrecorded, before the 30 s the shipped manifests allow before
     SIGKILL, however many of its steps each wait for a statement that will never be answered."""
@@ -97,8 +97,7 @@ def test_sigterm_while_the_database_black_holes_ends_before_the_manifests_kill(p
     total = 400
     with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log), \
             stalling_proxy(pg_url) as (proxy, proxied):
-        env = {k: v for k, v in procs.daemon_env(proxied, key).items()
-               if k not in ("OUTBOX_SHUTDOWN_GRACE_SECONDS", "OUTBOX_LEASE_SECONDS")}
+        env = procs.default_daemon_env(proxied, key)
         log = tmp_path / "through-proxy.log"
         daemon = procs.start_daemon(env, log)
         try:
