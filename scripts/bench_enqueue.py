@@ -42,8 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     server = os.environ.get("OUTBOX_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
     name = f"outboxd_enqueue_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(libpq_url(server),
-                         autocommit=True) as admin:
+    with psycopg.connect(libpq_url(server), autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
     url = make_url(server).set(database=name).render_as_string(hide_password=False)
     engine = make_engine(url)
@@ -71,8 +70,7 @@ def main() -> None:
               f"p99 {percentile(with_enqueue, 99) - percentile(plain, 99):.3f} ms")
     finally:
         engine.dispose()
-        with psycopg.connect(libpq_url(server),
-                             autocommit=True) as admin:
+        with psycopg.connect(libpq_url(server), autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

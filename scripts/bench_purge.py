@@ -24,10 +24,9 @@ import uuid
 import psycopg
 from sqlalchemy.engine import make_url
 
-from outbox.db import make_async_engine, make_engine
+from outbox.db import libpq_url, make_async_engine, make_engine
 from outbox.migrate import upgrade
 from outbox.partitions import DAY, drop_attempt_partitions
-from outbox.db import libpq_url
 
 RETENTION_DAYS = 30
 

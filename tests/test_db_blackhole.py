@@ -47,7 +47,8 @@ from tests import procs
 from tests.console_driver import TOKEN, console_env, signed_in
 from tests.db_proxies import CommitSwallowingProxy, stalling_proxy
 from tests.ledger import check_ledger, daemon_events, enqueue_batch, exit_line, finished, message_key, states
-from tests.reporting_world import ACCOUNT, LEDGER, SETTINGS, Registry, ledger_body, message_count, prove_all, register
+from tests.reporting_world import (ACCOUNT, KEY, LEDGER, SETTINGS, Registry, ledger_body, message_count, prove_all,
+                                   register, with_example_handoff)
 
 
 def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engine, pg_url, tmp_path):
@@ -349,8 +350,6 @@ def test_sigterm_while_the_database_black_holes_with_the_reporting_handoff_ends_
     The daemon cancels the hand-off as the stop begins, so that wait runs within the grace:
     the stop ends before the manifests' 30 s, where cancelling it with the other loops after
     the grace took 31.5 s."""
-    from tests.reporting_world import KEY, SETTINGS, with_example_handoff
-
     key, jwks = procs.make_key(tmp_path)
     total = 40
     with procs.receiver(tmp_path, jwks, verifier="library") as (port, _), \

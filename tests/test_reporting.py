@@ -22,6 +22,7 @@ from outbox.schema import messages
 from outbox.sealing import plaintext
 from tests.reporting_world import ACCOUNT, LEDGER, ledger_body, prove_all
 
+
 @pytest.fixture
 def cfg(settings):
     return with_overrides(settings, seller_agent_url="https://seller.example/adcp")

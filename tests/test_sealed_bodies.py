@@ -17,8 +17,7 @@ import outbox
 from outbox.config import ConfigurationError
 from outbox.db import libpq_url
 from outbox.schema import messages
-from outbox.sealing import KeyUnavailable, SealError, key_id
-from outbox.sealing import plaintext
+from outbox.sealing import KeyUnavailable, SealError, key_id, plaintext
 from supervisor.cycle.attempt import opened
 from tests import stored
 from tests.ledger import loopback_producer
