@@ -20,9 +20,10 @@ from urllib.parse import urlsplit, urlunsplit
 from sqlalchemy import Select, func, select
 
 from outbox import protocol
+from outbox.arguments import check_string
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
-from outbox.producer import Conn, _check_string, _connection, _tenant, default_settings, principal
+from outbox.producer import Conn, _connection, _tenant, default_settings, principal
 from outbox.schema import attempts, messages
 from outbox.urls import public_url
 
@@ -133,7 +134,7 @@ def webhook_activity(
         raise OutboxValidationError("limit", f"must be an integer within 1..{MAX_LIMIT}")
     given = {"account_id": account_id, "media_buy_id": media_buy_id, "task_id": task_id,
              "subscriber_id": subscriber_id}
-    filters = {name: _check_string(value, name) for name, value in given.items() if value is not None}
+    filters = {name: check_string(value, name) for name, value in given.items() if value is not None}
     tenant, owner = _tenant(tenant_id), principal(principal_id)
     shared = (messages.c.idempotency_key, messages.c.notification_id, messages.c.subscriber_id,
               messages.c.notification_type, messages.c.url)

@@ -66,7 +66,10 @@ def configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Under AUTOCOMMIT nothing ever commits what this would begin: every write on the
+        # connection, an enqueue included, would vanish when it closes.
+        if not connection._is_autocommit_isolation():
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 # Idle connections are probed after 10 s, every 5 s, and dropped after 3 lost probes.

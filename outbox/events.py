@@ -23,17 +23,15 @@ from typing import Any
 from sqlalchemy import Select, bindparam, select, text
 
 from outbox import protocol
+from outbox.arguments import as_mapping, check_string, one_of
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.identity import EnqueuedMessage, store_bound
 from outbox.keyset import producer_keys
 from outbox.producer import (
     Conn,
-    _as_mapping,
-    _check_string,
     _connection,
     _idempotency_key,
-    _member,
     _Registration,
     _render,
     _row,
@@ -129,12 +127,12 @@ def enqueue_event(
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
-    account = _check_string(account_id, "account_id")
-    _member(notification_type, protocol.ACCOUNT_EVENT_TYPES, "notification_type", "an account-anchored type")
+    account = check_string(account_id, "account_id")
+    one_of(notification_type, protocol.ACCOUNT_EVENT_TYPES, "notification_type", "an account-anchored type")
     owner = _scoped_owner(notification_type, principal_id)
     event_id = (f"evt_{uuid.uuid4().hex}" if notification_id is None
-                else _check_string(notification_id, "notification_id", protocol.NOTIFICATION_ID_RE))
-    fields = dict(_as_mapping(payload, "payload"))
+                else check_string(notification_id, "notification_id", protocol.NOTIFICATION_ID_RE))
+    fields = dict(as_mapping(payload, "payload"))
     for name in _SET_PER_FIRE:
         if name in fields:
             raise OutboxValidationError(f"payload.{name}", "is set by enqueue_event, per fire")
@@ -142,17 +140,18 @@ def enqueue_event(
         raise OutboxValidationError("payload.notification_type", "differs from notification_type")
     connection = _connection(conn)
     query = _fan_out_query(connection.dialect.name == "postgresql", owner is not None)
-    fired_at = _timestamp()
+    fire_fields = {"notification_id": event_id, "notification_type": notification_type, "fired_at": _timestamp()}
     fires = []
     scope = {"tenant": tenant, "account": account, **({} if owner is None else {"owner": owner})}
     for row in connection.execute(query, scope):  # render and unseal all first: a failure writes nothing
         if notification_type not in json.loads(row.event_types):
             continue
         key = _idempotency_key(None)
-        content = {"idempotency_key": key, "notification_id": event_id, "notification_type": notification_type,
-                   "fired_at": fired_at, "subscriber_id": row.subscriber_id, **fields}
-        fires.append(_fire(tenant, account, row, key, _render(content), content, notification_type, event_id,
-                           settings))
+        content = {"idempotency_key": key, **fire_fields, "subscriber_id": row.subscriber_id, **fields}
+        fires.append(_fire(tenant, account, row, key, _render(content, "payload"), content, notification_type,
+                           event_id, settings))
+    if not fires:  # no subscriber yet: refuse what the first one's fire would be refused for, all the same
+        _render({"idempotency_key": _idempotency_key(None), **fire_fields, "subscriber_id": "", **fields}, "payload")
     keys = producer_keys(connection, settings)
     return [store_bound(connection, fire, keys) for fire in fires]
 
@@ -183,17 +182,17 @@ def enqueue_subscriber_body(
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
-    account = _check_string(account_id, "account_id")
-    wanted = _check_string(subscriber_id, "subscriber_id")
-    owner = _check_string(principal_id, "principal_id")
+    account = check_string(account_id, "account_id")
+    wanted = check_string(subscriber_id, "subscriber_id")
+    owner = check_string(principal_id, "principal_id")
     raw = bytes(body)
     content, key = exact_body(raw, "body")
-    notification_type = _member(content.get("notification_type"), protocol.ACCOUNT_EVENT_TYPES,
+    notification_type = one_of(content.get("notification_type"), protocol.ACCOUNT_EVENT_TYPES,
                                 "body.notification_type", "an account-anchored type")
     if (content.get("account_id"), content.get("subscriber_id")) != (account, wanted):
         raise OutboxValidationError("body", "names another account or subscriber")
     event_id = content.get("notification_id")
-    _check_string(event_id, "body.notification_id", protocol.NOTIFICATION_ID_RE)
+    check_string(event_id, "body.notification_id", protocol.NOTIFICATION_ID_RE)
     connection = _connection(conn)
     row = connection.execute(_subscriber_query(connection.dialect.name == "postgresql"),
                              {"tenant": tenant, "account": account, "subscriber": wanted}).first()

@@ -20,9 +20,10 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from outbox import protocol
+from outbox.arguments import as_mapping, check_string, checked_horizon, is_utf8, one_of, optional_string
 from outbox.config import Settings, load_settings
 from outbox.errors import OutboxValidationError
-from outbox.wire import json_default, wire_form
+from outbox.wire import json_default, json_problem
 from outbox.identity import (
     EnqueuedMessage,
     binding_material,
@@ -56,44 +57,8 @@ def default_settings() -> Settings:
     return load_settings()
 
 
-def _as_mapping(value: Any, field: str) -> Mapping[str, Any]:
-    value = wire_form(value)
-    if not isinstance(value, Mapping):
-        raise OutboxValidationError(field, "must be an object (mapping)")
-    return value
-
-
-def _check_string(value: Any, field: str, pattern: Any = None, what: str = "") -> str:
-    if not isinstance(value, str) or not value:
-        raise OutboxValidationError(field, "is required and must be a non-empty string")
-    if "\x00" in value or not _encodable(value):
-        raise OutboxValidationError(field, "contains a NUL or an unpaired surrogate (not valid UTF-8 text)")
-    if pattern is not None and not pattern.fullmatch(value):
-        raise OutboxValidationError(field, f"{value[:80]!r} does not match {what or pattern.pattern}")
-    return value
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _optional_string(value: Any, field: str, pattern: Any = None) -> str | None:
-    return None if value is None else _check_string(value, field, pattern)
-
-
-def _member(value: Any, allowed: frozenset[str], field: str, what: str) -> str:
-    """``value`` if it is one of ``allowed`` (whatever its type, never a TypeError)."""
-    if not isinstance(value, str) or value not in allowed:
-        raise OutboxValidationError(field, f"{str(value)[:80]!r} is not {what}")
-    return value
-
-
 def _registration(raw: Any, field: str, settings: Settings, *, require_operation_id: bool) -> _Registration:
-    config = _as_mapping(raw, field)
+    config = as_mapping(raw, field)
     url = validate_destination(config.get("url"), allow_http=settings.allow_http, allowed_cidrs=settings.allowed_cidrs)
     token = config.get("token")
     if token is not None:
@@ -102,11 +67,11 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
     operation_id = config.get("operation_id")
     if require_operation_id or operation_id is not None:
         # docs/protocol.md "Webhook bodies": echoed verbatim, never derived from the URL.
-        _check_string(operation_id, f"{field}.operation_id", protocol.OPERATION_ID_RE)
+        check_string(operation_id, f"{field}.operation_id", protocol.OPERATION_ID_RE)
     auth_mode, credentials = "rfc9421", None
     authentication = config.get("authentication")
     if authentication is not None:
-        auth = _as_mapping(authentication, f"{field}.authentication")
+        auth = as_mapping(authentication, f"{field}.authentication")
         schemes = auth.get("schemes")
         if (not isinstance(schemes, (list, tuple)) or len(schemes) != 1 or not isinstance(schemes[0], str)
                 or schemes[0] not in protocol.LEGACY_SCHEMES):
@@ -133,19 +98,31 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
 def _idempotency_key(given: str | None) -> str:
     if given is None:
         return f"whk_{uuid.uuid4()}"  # docs/protocol.md "Idempotency": cryptographically random, the SDK's format
-    return _check_string(given, "idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+    return check_string(given, "idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
 
 
-def _render(envelope: Mapping[str, Any]) -> bytes:
-    """Serialize once: compact, UTF-8, and strictly JSON (no NaN, no non-string keys)."""
+def _render(envelope: Mapping[str, Any], root: str = "") -> bytes:
+    """Serialize once: compact, UTF-8, and strictly JSON (no NaN, no non-string keys).
+
+    ``root`` names the argument ``envelope`` came from when it is the caller's own mapping
+    (``payload``); otherwise an error names the envelope's field (``result``, ``context``).
+    """
+    _check_json(envelope, root)
     try:
         body = json.dumps(envelope, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
                           default=json_default).encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError (lone surrogates) is a ValueError
-        raise OutboxValidationError("result", f"is not JSON-serializable ({exc})") from None
+        raise OutboxValidationError(root or "result", f"is not JSON-serializable ({exc})") from None
     if len(body) > protocol.MAX_BODY_BYTES:
-        raise OutboxValidationError("result", f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
+        raise OutboxValidationError(root or "result", f"the webhook body is {len(body)} bytes, over the 1 MiB limit")
     return body
+
+
+def _check_json(value: Any, root: str) -> None:
+    problem = json_problem(value)
+    if problem is not None:
+        path, reason = problem
+        raise OutboxValidationError(".".join(filter(None, (root, path))) or "body", reason)
 
 
 def _timestamp() -> str:
@@ -153,7 +130,12 @@ def _timestamp() -> str:
 
 
 def _connection(conn: Conn) -> Connection:
-    return conn.connection() if isinstance(conn, Session) else conn
+    if isinstance(conn, Session):
+        return conn.connection()
+    if not isinstance(conn, Connection):  # an Engine, a DBAPI connection: nothing to share a transaction with
+        raise TypeError(f"conn must be the seller's SQLAlchemy Connection or Session, inside the transaction "
+                        f"the enqueue belongs to, not {type(conn).__name__}")
+    return conn
 
 
 def _row(
@@ -180,7 +162,7 @@ def _row(
 
 
 def _tenant(tenant_id: Any) -> str:
-    return _check_string(tenant_id, "tenant_id")
+    return check_string(tenant_id, "tenant_id")
 
 
 def _attribution(**columns: str | None) -> dict[str, str]:
@@ -197,17 +179,7 @@ def _event_id(body: Mapping[str, Any]) -> str | None:
 
 def principal(principal_id: Any) -> str | None:
     """The buyer principal a notification belongs to (``None``: the seller did not say)."""
-    return _optional_string(principal_id, "principal_id")
-
-
-def _horizon(horizon_seconds: Any) -> int | None:
-    if horizon_seconds is None:
-        return None
-    if not isinstance(horizon_seconds, int) or isinstance(horizon_seconds, bool) \
-            or not 86_400 <= horizon_seconds <= 604_800:
-        raise OutboxValidationError("horizon_seconds",
-                                    "must be within 86400..604800 (docs/protocol.md, 'Retry horizon')")
-    return horizon_seconds
+    return optional_string(principal_id, "principal_id")
 
 
 def enqueue_task_webhook(
@@ -241,20 +213,21 @@ def enqueue_task_webhook(
     tenant = _tenant(tenant_id)
     registration = _registration(push_notification_config, "push_notification_config", settings,
                                  require_operation_id=protocol.requires_operation_id(
-                                     _optional_string(adcp_version, "adcp_version")))
-    _check_string(task_id, "task_id")
-    _member(task_type, protocol.TASK_TYPES, "task_type", "an AdCP task type")
-    _member(status, protocol.TASK_STATUSES, "status", "an AdCP task status")
-    if message is not None and (not isinstance(message, str) or not _encodable(message)):
+                                     optional_string(adcp_version, "adcp_version")))
+    check_string(task_id, "task_id")
+    one_of(task_type, protocol.TASK_TYPES, "task_type", "an AdCP task type")
+    one_of(status, protocol.TASK_STATUSES, "status", "an AdCP task status")
+    if message is not None and (not isinstance(message, str) or not is_utf8(message)):
         raise OutboxValidationError("message", "must be a string of valid UTF-8 text")
-    _optional_string(context_id, "context_id")
-    horizon = _horizon(horizon_seconds)
+    optional_string(context_id, "context_id")
+    horizon = checked_horizon(horizon_seconds)
     if notification_id is None and status in protocol.TERMINAL_STATUSES:
-        notification_id = f"{task_id}.terminal"
-    if notification_id is not None:
-        _check_string(notification_id, "notification_id", protocol.NOTIFICATION_ID_RE)
+        notification_id = check_string(f"{task_id}.terminal", "task_id", protocol.NOTIFICATION_ID_RE,
+                                        "the notification_id pattern once '.terminal' is appended")
+    elif notification_id is not None:
+        check_string(notification_id, "notification_id", protocol.NOTIFICATION_ID_RE)
     if context is not None:
-        context = _as_mapping(context, "context")
+        context = as_mapping(context, "context")
     key = _idempotency_key(idempotency_key)
     envelope: dict[str, Any] = {"idempotency_key": key}
     if registration.operation_id is not None:  # absent only for an AdCP 3.0 registration
@@ -297,15 +270,15 @@ def enqueue_delivery_report(
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
     registration = _registration(reporting_webhook, "reporting_webhook", settings, require_operation_id=True)
-    _check_string(media_buy_id, "media_buy_id")
-    report = dict(_as_mapping(result, "result"))
+    check_string(media_buy_id, "media_buy_id")
+    report = dict(as_mapping(result, "result"))
     notification_type = report.get("notification_type")
     if notification_type is not None:
-        _member(notification_type, protocol.DELIVERY_NOTIFICATION_TYPES, "result.notification_type",
+        one_of(notification_type, protocol.DELIVERY_NOTIFICATION_TYPES, "result.notification_type",
                 "a delivery notification type")
-    _optional_string(stream_key, "stream_key")
-    _optional_string(task_id, "task_id")
-    horizon = _horizon(horizon_seconds)
+    optional_string(stream_key, "stream_key")
+    optional_string(task_id, "task_id")
+    horizon = checked_horizon(horizon_seconds)
     owner = principal(principal_id)
     key = _idempotency_key(idempotency_key)
     envelope: dict[str, Any] = {
@@ -343,7 +316,10 @@ def exact_body(body: bytes, field: str) -> tuple[dict[str, Any], str]:
     decoded = decode_body(body)
     if decoded is None:
         raise OutboxValidationError(field, "must be a UTF-8 JSON object")
-    key = _check_string(decoded.get("idempotency_key"), f"{field}.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
+    _check_json(decoded, field)
+    if b"\\u" in body and not is_utf8(json.dumps(decoded, ensure_ascii=False)):
+        raise OutboxValidationError(field, "escapes an unpaired surrogate (\\uD800-\\uDFFF alone): not valid Unicode")
+    key = check_string(decoded.get("idempotency_key"), f"{field}.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
     return decoded, key
 
 
@@ -380,20 +356,20 @@ def enqueue(
         if idempotency_key is not None and idempotency_key != key:
             raise OutboxValidationError("idempotency_key", "differs from payload.idempotency_key")
     else:
-        envelope = dict(_as_mapping(payload, "payload"))
+        envelope = dict(as_mapping(payload, "payload"))
         in_payload = envelope.get("idempotency_key")
         if idempotency_key is not None and in_payload is not None and in_payload != idempotency_key:
             raise OutboxValidationError("idempotency_key", "differs from payload.idempotency_key")
         key = _idempotency_key(idempotency_key if idempotency_key is not None else in_payload)
         envelope["idempotency_key"] = key
-        body = _render(envelope)
+        body = _render(envelope, "payload")
         decoded = envelope
     row = _row(tenant, registration, key, body, decoded, settings,
-               {"notification_type": _optional_string(notification_type, "notification_type"),
-                "horizon_seconds": _horizon(horizon_seconds),
+               {"notification_type": optional_string(notification_type, "notification_type"),
+                "horizon_seconds": checked_horizon(horizon_seconds),
                 **_attribution(principal_id=principal(principal_id), notification_id=_event_id(decoded),
-                               media_buy_id=_optional_string(media_buy_id, "media_buy_id"),
-                               account_id=_optional_string(account_id, "account_id"),
-                               subscriber_id=_optional_string(subscriber_id, "subscriber_id"))})
+                               media_buy_id=optional_string(media_buy_id, "media_buy_id"),
+                               account_id=optional_string(account_id, "account_id"),
+                               subscriber_id=optional_string(subscriber_id, "subscriber_id"))})
     connection = _connection(conn)
     return store_bound(connection, row, producer_keys(connection, settings))

@@ -32,6 +32,7 @@ DELIVERY_TASK_TYPE = "media_buy_delivery"
 IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9_.:-]{16,255}$")  # idempotency_key pattern
 OPERATION_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")  # push-notification-config
 NOTIFICATION_ID_RE = OPERATION_ID_RE  # docs/protocol.md "Webhook bodies" notification_id has the same pattern
+MAX_ID_BYTES = 255  # tenant, account, media buy, task, principal ids: AdCP's maxLength, counted in UTF-8 bytes
 TOKEN_LENGTH = (16, 4096)  # docs/protocol.md "Webhook bodies" token, 16..4096 characters
 MIN_LEGACY_CREDENTIAL_LENGTH = 32  # docs/protocol.md "Legacy credentials" credentials ≥ 32 characters
 # A legacy credential goes into a header (Bearer) or keys an HMAC the buyer configured as

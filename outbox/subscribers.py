@@ -25,13 +25,12 @@ from urllib.parse import urlsplit
 from sqlalchemy import Connection, Update, delete, select, update
 
 from outbox import protocol
+from outbox.arguments import as_mapping, check_string
 from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
 from outbox.identity import store_bound
 from outbox.producer import (
     Conn,
-    _as_mapping,
-    _check_string,
     _connection,
     _registration,
     _render,
@@ -97,11 +96,11 @@ def _event_types(raw: Any) -> list[str]:
 
 
 def _validated(config: Any, settings: Settings) -> tuple[str, list[str], bool, _Registration]:
-    config = _as_mapping(config, "notification_config")
+    config = as_mapping(config, "notification_config")
     for key in config:
         if key not in protocol.NOTIFICATION_CONFIG_KEYS:
             raise OutboxValidationError(f"notification_config.{key}", "is not a notification-config field")
-    subscriber_id = _check_string(config.get("subscriber_id"), "notification_config.subscriber_id",
+    subscriber_id = check_string(config.get("subscriber_id"), "notification_config.subscriber_id",
                                   protocol.SUBSCRIBER_ID_RE)
     events = _event_types(config.get("event_types"))
     active = config.get("active", True)
@@ -251,7 +250,7 @@ def register_subscriber(
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
-    account = _check_string(account_id, "account_id")
+    account = check_string(account_id, "account_id")
     owner = principal(principal_id)
     subscriber_id, events, active, registration = _validated(notification_config, settings)
     digest = _config_digest(registration, events)
@@ -305,7 +304,7 @@ def list_subscribers(conn: Conn, *, tenant_id: str, account_id: str | None = Non
     """A tenant's subscribers (one account's when ``account_id`` is given), without credentials."""
     query = select(subscribers).where(subscribers.c.tenant_id == _tenant(tenant_id))
     if account_id is not None:
-        query = query.where(subscribers.c.account_id == _check_string(account_id, "account_id"))
+        query = query.where(subscribers.c.account_id == check_string(account_id, "account_id"))
     rows = _connection(conn).execute(query.order_by(subscribers.c.account_id, subscribers.c.subscriber_id))
     return [_record(r) for r in rows]
 
@@ -317,8 +316,8 @@ def remove_subscriber(conn: Conn, *, tenant_id: str, account_id: str, subscriber
     fires end dead ``cancelled``: a revoked subscription is sent nothing more.
     """
     connection = _connection(conn)
-    tenant, account = _tenant(tenant_id), _check_string(account_id, "account_id")
-    row = _locked(connection, _key(tenant, account, _check_string(subscriber_id, "subscriber_id")))
+    tenant, account = _tenant(tenant_id), check_string(account_id, "account_id")
+    row = _locked(connection, _key(tenant, account, check_string(subscriber_id, "subscriber_id")))
     if row is None:
         return False
     if row.state == "pending_proof":

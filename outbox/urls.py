@@ -119,6 +119,9 @@ def blocked_reason(address: IPAddress, allowed: Iterable[Network] = ()) -> str |
     return None
 
 
+_NUMERIC_LABEL = re.compile(r"[0-9]+|0[xX][0-9a-fA-F]*")
+
+
 def _canonical_host(host: str) -> str:
     if "%" in host:
         raise OutboxValidationError("url", "host must not contain '%' (an IPv6 zone identifier is node-local)")
@@ -127,6 +130,11 @@ def _canonical_host(host: str) -> str:
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
+    if _NUMERIC_LABEL.fullmatch(host.rpartition(".")[2]):
+        # 127.1, 2130706433, 0x7f000001, 0177.0.0.1: resolvers (and WHATWG URL parsers) read
+        # a host ending in a number as an IPv4 address, so it must pass the address checks.
+        raise OutboxValidationError("url", f"host {host!r} is an IPv4 address in a non-standard form: write it "
+                                           "as four decimal numbers (a.b.c.d)")
     lowered = host.lower()
     if _ASCII_HOST.fullmatch(lowered):  # the common case: UTS-46 would return it unchanged
         return lowered
@@ -209,10 +217,16 @@ def canonicalize_url(url: str) -> str:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     host = _canonical_host(parts.hostname or "")
+    if "[" in parts.netloc and ":" not in host:
+        # An IP literal in brackets is IPv6 (RFC 3986 §3.2.2); IPvFuture and IPv4 in brackets
+        # would otherwise lose the brackets and name another host.
+        raise OutboxValidationError("url", f"host [{parts.hostname}] is not an IPv6 address")
     try:
         port = parts.port
     except ValueError:
-        raise OutboxValidationError("url", "port is not a number in 1..65535") from None
+        port = 0
+    if port == 0:
+        raise OutboxValidationError("url", "port is not a number in 1..65535")
     netloc = f"[{host}]" if ":" in host else host
     if port is not None and port != _DEFAULT_PORTS.get(scheme):
         netloc = f"{netloc}:{port}"

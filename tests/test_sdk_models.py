@@ -95,7 +95,7 @@ def test_enqueue_takes_an_sdk_payload_model(engine, settings):
 
 def test_a_value_that_is_neither_json_nor_a_model_is_still_refused(engine, settings):
     with engine.connect() as conn, conn.begin():
-        with pytest.raises(outbox.OutboxValidationError, match=r"^result: is not JSON-serializable.*object"):
+        with pytest.raises(outbox.OutboxValidationError, match=r"^result.media_buy_id: 'object' is not a JSON type"):
             outbox.enqueue_task_webhook(
                 conn, tenant_id="t1", push_notification_config=PNC, task_id="task_1", task_type="create_media_buy",
                 status="completed", result={"media_buy_id": object()}, settings=settings)

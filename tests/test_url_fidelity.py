@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from outbox.errors import OutboxValidationError
-from outbox.urls import canonicalize_url, validate_destination
+from outbox.urls import canonicalize_url, endpoint_origin, validate_destination
 from outboxd_receiver import Receiver, adcp_verifier, serve
 from supervisor.wire.classify import classify_transport_error
 from supervisor.wire.signing import ALG_ED25519, SigningKey, signature_headers
@@ -193,6 +193,28 @@ def test_unsendable_urls_are_refused_naming_url(raw_tail: str, why: str) -> None
     with pytest.raises(OutboxValidationError, match=why) as caught:
         validate_destination("https://buyer.example" + raw_tail)
     assert caught.value.field == "url"
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("https://[v1.fe]/h", "not an IPv6 address"),  # IPvFuture: without its brackets, a DNS name
+        ("https://[v7.buyer.example]/h", "not an IPv6 address"),
+        ("https://buyer.example:0/h", "port is not a number in 1..65535"),
+        ("https://buyer.example:65536/h", "port is not a number in 1..65535"),
+        ("https://127.1/h", "non-standard form"),  # every one of these reaches 127.0.0.1
+        ("https://2130706433/h", "non-standard form"),
+        ("https://0x7f000001/h", "non-standard form"),
+        ("https://0177.0.0.1/h", "non-standard form"),
+        ("https://127.1./h", "non-standard form"),
+    ],
+)
+def test_hosts_and_ports_that_name_another_destination_are_refused(url: str, why: str) -> None:
+    """Refused when stored, and by the daemon for a row written by plain SQL (no canonical form)."""
+    with pytest.raises(OutboxValidationError, match=re.escape(why)) as caught:
+        validate_destination(url)
+    assert caught.value.field == "url"
+    assert endpoint_origin(url) is None
 
 
 def test_zone_identifier_is_refused() -> None:
