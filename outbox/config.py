@@ -216,6 +216,9 @@ class Settings:
                 raise ConfigurationError(f"OUTBOX_OPERATOR_EVENTS_URL {exc.problem}") from None
         if self.log_format not in ("auto", "json", "console"):
             raise ConfigurationError("OUTBOX_LOG_FORMAT must be auto, json or console")
+        if self.metrics_addr:  # unset or empty: no metrics endpoint
+            parse_addr(self.metrics_addr, "OUTBOX_METRICS_ADDR")
+        parse_addr(self.ui_addr, "OUTBOX_UI_ADDR", lowest_port=1)
         if self.revocation_issuer is not None and not _is_origin(self.revocation_issuer):
             raise ConfigurationError(
                 f"OUTBOX_REVOCATION_ISSUER must be an origin like https://seller.example.com, "
@@ -229,6 +232,21 @@ class Settings:
     def is_allowed_private(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         """Whether ``address`` sits in a network the operator exempted from the SSRF block."""
         return any(address.version == net.version and address in net for net in self.allowed_cidrs)
+
+
+def parse_addr(addr: str, variable: str, *, lowest_port: int = 0) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``; an empty host is every interface) as the pair to bind.
+
+    Checked with the settings, so ``outboxd config`` and every command refuse a port the
+    socket would silently wrap (99999 is 34463 to the kernel). Port 0 binds a free port:
+    fine for ``OUTBOX_METRICS_ADDR``, whose bound address the daemon logs at start, not for
+    ``OUTBOX_UI_ADDR``, whose address ``outboxd ui`` prints before binding it.
+    """
+    host, sep, port = addr.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or not lowest_port <= int(port) <= 65535:
+        raise ConfigurationError(f"{variable} must be host:port with a port from {lowest_port} to 65535, "
+                                 f"got {addr!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def _is_origin(value: str) -> bool:

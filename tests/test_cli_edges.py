@@ -19,7 +19,7 @@ import pytest
 from outbox.config import load_settings
 from outbox.schema import breakers, messages
 from tests.db_proxies import stalling_proxy
-from tests.ledger import enqueue_many
+from tests.ledger import enqueue_many, enqueue_tasks
 from tests.cli_calls import cli, dead_with_an_attempt, one_line, url_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +35,24 @@ def test_a_missing_sqlite_database_is_one_line_with_the_fix_and_never_created(ar
     assert code == 1 and out == "" and one_line(err), err
     assert "outboxd migrate" in err and "outbox.db" in err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", ["run", "ui"])
+def test_the_daemon_and_the_console_refuse_a_missing_or_unmigrated_sqlite_file_at_start(command, tmp_path):
+    """Neither creates an empty outbox.db to wait on or serve errors from: one line naming the
+    fix, at once. (An existing but empty file is a database `run` waits for `migrate` on.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    missing = tmp_path / "outbox.db"
+    done = subprocess.run([sys.executable, "-m", "supervisor.cli", command], capture_output=True, text=True,
+                          cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, timeout=30)
+    assert done.returncode == 1 and done.stdout == "" and one_line(done.stderr), done.stderr
+    assert "outboxd migrate" in done.stderr and "outbox.db" in done.stderr
+    assert os.listdir(tmp_path) == [], missing
+    if command == "ui":
+        missing.touch()
+        done = subprocess.run([sys.executable, "-m", "supervisor.cli", "ui"], capture_output=True, text=True,
+                              cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, timeout=30)
+        assert done.returncode == 1 and one_line(done.stderr) and "has no outbox tables" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args", READ_COMMANDS[:6], ids=" ".join)
@@ -64,6 +82,13 @@ def test_status_says_none_due_rather_than_zero_seconds(sqlite_engine, capsys, mo
     enqueue_many(sqlite_engine, "https://buyer.example/hook", [""])
     code, out, _ = cli(capsys, monkeypatch, url_of(sqlite_engine), "status")
     assert code == 0 and re.search(r"^oldest due \d+\.\d s$", out, re.M), out
+
+
+def test_status_does_not_call_an_empty_keyring_complete(sqlite_engine, capsys, monkeypatch):
+    code, out, _ = cli(capsys, monkeypatch, url_of(sqlite_engine), "status")
+    [line] = [line for line in out.splitlines() if line.startswith("signing")]
+    assert code == 0 and "every scope has an active key" not in line and "no key yet" in line, line
+    assert "OUTBOX_SIGNING_KEY_FILE" in line
 
 
 def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):
@@ -129,6 +154,17 @@ def test_purge_dry_run_counts_and_deletes_nothing(engine, capsys, monkeypatch):
     ["breakers", "reset"],
     ["breakers", "reset", "no-origin"],
     ["subscribers", "show", "sub_1"],
+    ["breakers", "reset", "acme@not-an-origin"],
+    ["breakers", "reset", "@https://b.example"],
+    ["recover", "start", "--since", "6h", "--dry-run"],
+    ["recover", "start", "--tenant", "acme"],
+    ["recover", "start", "--tenant", "acme", "--since", "6h", "--until", "1h"],
+    ["recover", "start", "--tenant", "acme", "--cancel-pending", "--reason", "gone"],
+    ["recover", "start", "--tenant", "acme", "--cancel-pending", "--since", "1h", "--until", "2h"],
+    ["recover", "show"],
+    ["recover", "start", "--tenant", "acme", "--since", "6h", "--origin", "not-an-origin"],
+    ["recover", "start", "--tenant", "acme", "--since", "6h", "--origin", "ftp://b.example"],
+    ["endpoints", "--origin", "not-an-origin"],
 ], ids=" ".join)
 def test_impossible_command_lines_exit_2_like_the_parsers_own(args, sqlite_url, capsys, monkeypatch):
     code, _, err = cli(capsys, monkeypatch, sqlite_url, *args)
@@ -138,6 +174,26 @@ def test_impossible_command_lines_exit_2_like_the_parsers_own(args, sqlite_url, 
 def test_failures_that_are_not_usage_exit_1(sqlite_url, capsys, monkeypatch):
     assert cli(capsys, monkeypatch, sqlite_url, "show", "99")[0] == 1
     assert cli(capsys, monkeypatch, sqlite_url, "breakers", "reset", "acme@https://b.example")[0] == 1
+
+
+def test_an_origin_option_takes_any_url_of_the_endpoint(engine, capsys, monkeypatch):
+    """A pasted webhook URL (path, trailing slash, upper case, default port) selects the
+    endpoint whose origin it has, in recover and breakers alike."""
+    url = url_of(engine)
+    enqueue_tasks(engine, "tenant-0", "http://127.0.0.1/hook", 2)  # origin http://127.0.0.1
+    dead_with_an_attempt(engine, 3)  # origin http://127.0.0.1:9; all five dead, tenant-0
+    with engine.begin() as conn:
+        conn.execute(breakers.insert().values(tenant_id="tenant-0", origin="http://127.0.0.1:9", state="open",
+                                              failures=0, successes=0, trips=1, open_until=9e9, updated_at=1.0))
+    recover = ("recover", "start", "--tenant", "tenant-0", "--since", "1970-01-01T00:00:00Z", "--json")
+    for given, matched in (("http://127.0.0.1:9", 3), ("http://127.0.0.1:9/", 3), ("HTTP://127.0.0.1:9/hook?q=1", 3),
+                           ("http://127.0.0.1:80/", 2), ("http://LOCALHOST.:9/", 0)):
+        code, out, err = cli(capsys, monkeypatch, url, *recover, "--dry-run", "--origin", given)
+        assert code == 0 and json.loads(out) == {"would_replay": matched}, (given, out, err)
+    code, out, err = cli(capsys, monkeypatch, url, *recover, "--origin", "http://127.0.0.1:9/hook")
+    assert code == 0 and json.loads(out)["origin"] == "http://127.0.0.1:9" and json.loads(out)["total"] == 3, err
+    code, out, err = cli(capsys, monkeypatch, url, "breakers", "reset", "tenant-0@HTTP://127.0.0.1:9/hook/")
+    assert code == 0 and out == "breaker tenant-0@http://127.0.0.1:9 reset (closed)\n", err
 
 
 def test_a_misspelt_toml_key_gets_a_did_you_mean(tmp_path, capsys, monkeypatch):

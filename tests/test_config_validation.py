@@ -64,6 +64,28 @@ def test_bad_values_are_refused_naming_the_variable(name: str, raw: str) -> None
     assert var(name) in message and "\n" not in message
 
 
+@pytest.mark.parametrize(("variable", "raw"), [
+    ("OUTBOX_METRICS_ADDR", "127.0.0.1:99999"),  # the socket would wrap it to 34463
+    ("OUTBOX_METRICS_ADDR", "127.0.0.1:65536"),
+    ("OUTBOX_METRICS_ADDR", "127.0.0.1:-1"),
+    ("OUTBOX_METRICS_ADDR", "127.0.0.1:\u00b9"),  # a digit to str.isdigit, not to int()
+    ("OUTBOX_METRICS_ADDR", "9464"),
+    ("OUTBOX_UI_ADDR", "127.0.0.1:99999"),
+    ("OUTBOX_UI_ADDR", "127.0.0.1:0"),  # a free port the printed address could not name
+])
+def test_an_address_with_no_port_to_bind_is_refused_naming_the_variable(variable: str, raw: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings(env={variable: raw})
+    message = str(caught.value)
+    assert message.startswith(variable) and "65535" in message and "\n" not in message
+
+
+def test_addresses_that_are_legal() -> None:
+    s = load_settings(env={"OUTBOX_METRICS_ADDR": "[::1]:0", "OUTBOX_UI_ADDR": "0.0.0.0:65535"})
+    assert (s.metrics_addr, s.ui_addr) == ("[::1]:0", "0.0.0.0:65535")
+    assert load_settings(env={"OUTBOX_METRICS_ADDR": ""}).metrics_addr in ("", None)  # empty: no endpoint
+
+
 def test_toml_numbers_are_checked_alike(tmp_path: Path) -> None:
     path = tmp_path / "outbox.toml"
     for line in ("lease_seconds = nan", "concurrency = 2.5", "breaker_failure_threshold = true"):

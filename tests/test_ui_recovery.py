@@ -179,6 +179,15 @@ def test_job_actions_refuse_forgery_and_answer_mistakes_with_a_sentence(engine, 
     assert client.get("/jobs/not-a-job").status_code == 404
 
 
+def test_a_typed_origin_is_any_url_of_the_endpoint():
+    for kind in ("replay", "cancel"):
+        typed = {"tenant": "acme", "since": "2h", "kind": kind}
+        assert job_selection({**typed, "origin": "HTTPS://Buyer.example:443/hook/"}).origin == "https://buyer.example"
+        assert job_selection({**typed, "origin": ""}).origin is None
+        with pytest.raises(BadInput, match="Origin"):
+            job_selection({**typed, "origin": "buyer.example"})
+
+
 @given(st.dictionaries(st.sampled_from(["tenant", "since", "until", "origin", "reason", "rate", "kind"]),
                       st.one_of(st.sampled_from(["cancel", "replay", "2h", "1h"]), st.text(max_size=30))))
 @example({"tenant": "0"})

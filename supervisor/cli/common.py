@@ -69,6 +69,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def endpoint_origin_arg(text: str) -> str:
+    """An argparse type for an endpoint's origin: any URL of the endpoint, reduced to the
+    ``scheme://host[:port]`` the daemon records (:func:`outbox.urls.endpoint_origin`), so a
+    pasted webhook URL, a trailing slash, upper case or a default port selects what it names."""
+    from outbox.urls import endpoint_origin
+
+    found = endpoint_origin(text)
+    if found is None or not found.startswith(("https://", "http://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an endpoint URL like https://buyer.example.com")
+    return found
+
+
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=lambda v: v.hex() if isinstance(v, bytes) else str(v)))
 
@@ -127,6 +139,16 @@ def with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
             await engine.dispose()
 
     return asyncio.run(go())
+
+
+def require_database(settings: Settings) -> None:
+    """Refuse now, in one line naming the fix, a database :func:`with_engine` would refuse:
+    for a command that serves the database for long, not one error per request."""
+
+    async def nothing(engine: Any) -> None:
+        return None
+
+    with_engine(settings, nothing)
 
 
 def run_async(settings: Settings, work: Callable[[Any], Any]) -> Any:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from outbox.config import Settings
-from supervisor.cli.common import Subcommands, positive_int
+from supervisor.cli.common import Subcommands, UserError, positive_int, require_database, schema_problem
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -53,6 +53,11 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     from supervisor.observe.logs import configure_logging
     from supervisor.cycle.outage import DatabaseUnavailable
 
+    # A missing SQLite file is refused, not created empty to wait on (docs/operations.md); an
+    # unmigrated database is waited for, as a daemon started before `outboxd migrate` must.
+    problem = schema_problem(settings)
+    if problem:
+        raise UserError(problem)
     configure_logging(settings.log_format)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         try:
@@ -88,6 +93,7 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_ui(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor.ui.server import serve
 
+    require_database(settings)  # once at start, not a 503 on every page (docs/operations.md)
     return serve(settings)
 
 

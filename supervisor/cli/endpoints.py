@@ -6,7 +6,16 @@ import argparse
 from typing import Any
 
 from outbox.config import Settings
-from supervisor.cli.common import Subcommands, UserError, parse_duration, positive_int, print_json, run_async, table
+from supervisor.cli.common import (
+    Subcommands,
+    UserError,
+    endpoint_origin_arg,
+    parse_duration,
+    positive_int,
+    print_json,
+    run_async,
+    table,
+)
 
 
 def _percent(value: float | None) -> str | None:
@@ -43,6 +52,7 @@ def register(add: Subcommands) -> None:
     p.add_argument("--window", type=parse_duration, default=3600.0, metavar="DURATION",
                    help="how far back, in whole minutes, up to 24h (default 1h)")
     p.add_argument("--tenant", help="only this tenant")
-    p.add_argument("--origin", help="only this origin, e.g. https://buyer.example.com")
+    p.add_argument("--origin", type=endpoint_origin_arg,
+                   help="only this endpoint's origin, e.g. https://buyer.example.com (any URL of it)")
     p.add_argument("--limit", type=positive_int, default=100, help="at most this many endpoints (default 100)")
     p.add_argument("--json", action="store_true", help="print JSON")

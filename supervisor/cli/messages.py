@@ -16,6 +16,7 @@ from supervisor.cli.common import (
     Subcommands,
     UsageError,
     UserError,
+    endpoint_origin_arg,
     parse_duration,
     parse_time,
     positive_int,
@@ -37,7 +38,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         ledger = await conn.run_sync(read_ledger)
         held = await unopenable_rows(conn, settings.sealing())
         return {**await ops.status(conn, top=args.top), "subscribers": await counts_by_state(conn),
-                "signing_paused": list(keys.paused(keys.now).values()),
+                "signing_paused": list(keys.paused(keys.now).values()), "signing_keys": len(keys.records),
                 "encryption": encryption_summary(settings, ledger.sealing_key_id),
                 "sealed_unopenable": held_line(held, "this configuration"),
                 "held_by_processes": {r.reader_id: r.unopenable for r in ledger.live() if r.unopenable}}
@@ -65,7 +66,10 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     print("backlog    " + (", ".join(f"{t['tenant_id']} {t['backlog']}" for t in data["top_tenants_by_backlog"])
                            or "none"))
     print("subscribers " + (", ".join(f"{k} {v}" for k, v in data["subscribers"].items()) or "none"))
-    print("signing    " + ("; ".join(data["signing_paused"]) or "every scope has an active key"))
+    print("signing    " + ("; ".join(data["signing_paused"]) or (
+        "every scope has an active key" if data["signing_keys"] else
+        "no key yet: `outboxd run` registers OUTBOX_SIGNING_KEY_FILE's (`outboxd keys generate --out FILE`) "
+        "at its first start")))
     return held
 
 
@@ -155,10 +159,15 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _breaker_key(key: str) -> tuple[str, str]:
+    """``TENANT@ORIGIN`` as the breaker's row key; the origin may be any URL of the endpoint."""
     tenant, sep, rest = key.partition("@")
-    if not sep or "://" not in rest:
+    try:
+        origin = endpoint_origin_arg(rest) if tenant and sep else None
+    except argparse.ArgumentTypeError:
+        origin = None
+    if origin is None:
         raise UsageError(f"breaker key {key!r} must be TENANT@ORIGIN, e.g. acme@https://buyer.example.com")
-    return tenant, rest
+    return tenant, origin
 
 
 def cmd_breakers(args: argparse.Namespace, settings: Settings) -> int:
@@ -170,8 +179,8 @@ def cmd_breakers(args: argparse.Namespace, settings: Settings) -> int:
         tenant, origin = _breaker_key(args.key)
         found = run_async(settings, lambda conn: ops.reset_breaker(conn, tenant, origin))
         if not found:
-            raise UserError(f"no breaker {args.key}")
-        print(f"breaker {args.key} reset (closed)")
+            raise UserError(f"no breaker {tenant}@{origin}")
+        print(f"breaker {tenant}@{origin} reset (closed)")
         return 0
     rows = run_async(settings, ops.list_breakers)
     if args.json:

@@ -9,7 +9,17 @@ from typing import Any
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS
 from supervisor.operator.jobs import DEFAULT_RATE, Selection, parse_rate
-from supervisor.cli.common import Subcommands, UserError, parse_time, positive_int, print_json, run_async, table
+from supervisor.cli.common import (
+    Subcommands,
+    UsageError,
+    UserError,
+    endpoint_origin_arg,
+    parse_time,
+    positive_int,
+    print_json,
+    run_async,
+    table,
+)
 
 
 def _positive_rate(text: str) -> float:
@@ -33,19 +43,20 @@ def _print_job(job: dict[str, Any]) -> None:
 
 
 def _selection(args: argparse.Namespace) -> Selection:
-    """The job ``recover start`` asks for, refusing options that do not fit its kind."""
+    """The job ``recover start`` asks for, refusing options that do not fit its kind as a
+    malformed command line (exit status 2, docs/operations.md)."""
     if not args.tenant:
-        raise UserError("recover start needs --tenant")
+        raise UsageError("recover start needs --tenant")
     if args.cancel_pending:
         if args.reason or args.force:
-            raise UserError("--reason and --force select dead messages to replay; --cancel-pending takes pending ones")
+            raise UsageError("--reason and --force select dead messages to replay; --cancel-pending takes pending ones")
         if args.since is not None and args.until is not None and args.until < args.since:
-            raise UserError("--until is before --since")
+            raise UsageError("--until is before --since")
         return Selection(args.tenant, args.since or 0.0, args.origin, kind="cancel", until=args.until)
     if args.since is None:
-        raise UserError("recover start needs --since (a time, or a duration ago like 6h)")
+        raise UsageError("recover start needs --since (a time, or a duration ago like 6h)")
     if args.until is not None:
-        raise UserError("--until bounds --cancel-pending's enqueue times; a replay takes what ended dead until now")
+        raise UsageError("--until bounds --cancel-pending's enqueue times; a replay takes what ended dead until now")
     return Selection(args.tenant, args.since, args.origin, args.reason)
 
 
@@ -80,7 +91,7 @@ def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
                   ["JOB", "KIND", "STATE", "TENANT", "ORIGIN", "REASON", "DONE", "SKIPPED", "RATE", "CREATED"])
         return 0
     if args.job is None:
-        raise UserError(f"recover {args.action} needs a job id (see `outboxd recover list`)")
+        raise UsageError(f"recover {args.action} needs a job id (see `outboxd recover list`)")
     if args.action == "show":
         job = run_async(settings, lambda conn: jobs.show(conn, args.job))
         if job is None:
@@ -105,7 +116,8 @@ def register(add: Subcommands) -> None:
     p.add_argument("--since", type=parse_time, help="start: messages that ended dead since (ISO time, or 6h ago); "
                                                     "with --cancel-pending, enqueued since (default: any time)")
     p.add_argument("--until", type=parse_time, help="start --cancel-pending: enqueued until (default: now)")
-    p.add_argument("--origin", help="start: only this endpoint origin, e.g. https://buyer.example.com")
+    p.add_argument("--origin", type=endpoint_origin_arg,
+                   help="start: only this endpoint's origin, e.g. https://buyer.example.com (any URL of it)")
     p.add_argument("--reason", choices=DEAD_REASONS, help="start: only this dead reason")
     p.add_argument("--force", action="store_true", help="start: also replay past the retry horizon "
                                                         "(a fresh horizon, as `outboxd replay --force`)")

@@ -14,19 +14,13 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from outbox.config import parse_addr
 from supervisor.observe.metrics import Metrics
 
 READY_CACHE_SECONDS = 2.0
 # How long ``/readyz`` waits for its check; the daemon's check cuts its own connection then,
 # and the wait here, a second longer, is only the backstop.
 READY_CHECK_SECONDS = 5.0
-
-
-def parse_addr(addr: str, setting: str = "OUTBOX_METRICS_ADDR") -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{setting} must be host:port, got {addr!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 class HealthServer:
@@ -44,7 +38,7 @@ class HealthServer:
         self._server: asyncio.Server | None = None
 
     async def start(self, addr: str) -> tuple[str, int]:
-        host, port = parse_addr(addr)
+        host, port = parse_addr(addr, "OUTBOX_METRICS_ADDR")
         self._server = await asyncio.start_server(self._handle, host, port)
         return self._server.sockets[0].getsockname()[:2]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.operator import jobs, ops
-from supervisor.cli.common import parse_time
+from supervisor.cli.common import endpoint_origin_arg, parse_time
 from supervisor.ui.present import label
 
 FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
@@ -40,6 +40,14 @@ def _time(value: str, field: str) -> float:
     except argparse.ArgumentTypeError:
         raise BadInput(f"{field}: write a time like 2026-12-01T10:00Z, or how long ago, "
                        f"like 30m, 2h or 7d.") from None
+
+
+def _origin(value: str | None) -> str | None:
+    """A typed endpoint, any URL of it, as the origin the daemon records (``--origin`` alike)."""
+    try:
+        return endpoint_origin_arg(value) if value else None
+    except argparse.ArgumentTypeError:
+        raise BadInput("Origin: write the endpoint's URL, like https://buyer.example.com.") from None
 
 
 def _fields(params: Any, names: tuple[str, ...]) -> dict[str, str | None]:
@@ -77,7 +85,7 @@ def job_selection(params: Any) -> jobs.Selection:
     """What a recovery job takes, from its start form: a replay needs a tenant and a time;
     a cancel of pending messages a tenant, its enqueue-time range being optional."""
     values = _fields(params, ("tenant", "since", "until", "origin", "reason", "kind"))
-    tenant, since = values["tenant"], values["since"]
+    tenant, since, origin = values["tenant"], values["since"], _origin(values["origin"])
     if values["kind"] == "cancel":
         if not tenant:
             raise BadInput("Cancelling pending messages needs a tenant.")
@@ -85,12 +93,12 @@ def job_selection(params: Any) -> jobs.Selection:
         end = _time(until, "Enqueued until") if (until := values["until"]) else None
         if end is not None and end < start:
             raise BadInput("“Enqueued until” is before “Enqueued since”.")
-        return jobs.Selection(tenant, start, values["origin"], kind="cancel", until=end)
+        return jobs.Selection(tenant, start, origin, kind="cancel", until=end)
     if values["kind"] not in (None, "replay"):
         raise BadInput("A recovery job either replays dead messages or cancels pending ones.")
     if not tenant or not since:
         raise BadInput("A recovery job needs a tenant and a time its dead messages ended since.")
-    return jobs.Selection(tenant, _time(since, "Since"), values["origin"],
+    return jobs.Selection(tenant, _time(since, "Since"), origin,
                           _choice(values["reason"], DEAD_REASONS, "Reason"))
 
 

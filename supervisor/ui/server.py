@@ -6,8 +6,7 @@ import ipaddress
 import secrets
 import sys
 
-from outbox.config import Settings
-from supervisor.observe.health import parse_addr
+from outbox.config import Settings, parse_addr
 
 MIN_REMOTE_TOKEN = 32  # characters; what ``secrets.token_urlsafe(24)`` makes
 
@@ -27,7 +26,7 @@ def serve(settings: Settings) -> int:
         from supervisor.ui.app import make_app
     except ImportError as exc:
         raise ValueError(f"the console needs the [ui] extra (pip install 'outboxd[ui]'): {exc}") from None
-    host, port = parse_addr(settings.ui_addr, "OUTBOX_UI_ADDR")
+    host, port = parse_addr(settings.ui_addr, "OUTBOX_UI_ADDR", lowest_port=1)
     if not _is_loopback(host) and settings.ui_token is not None and len(settings.ui_token) < MIN_REMOTE_TOKEN:
         # Off loopback the token is all that stands between the network and replay or reset.
         raise ValueError(f"OUTBOX_UI_TOKEN has {len(settings.ui_token)} characters: a console listening on {host} "
