@@ -11,6 +11,7 @@ import difflib
 import ipaddress
 import math
 import os
+import re
 import tomllib
 import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -195,6 +196,9 @@ class Settings:
                           ("breaker_open_seconds", "breaker_max_open_seconds")):
             if getattr(self, high) < getattr(self, low):
                 raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
+        if not _DATABASE_URL.match(self.database_url):  # the scheme only: the rest may hold a password
+            raise ConfigurationError("OUTBOX_DATABASE_URL must be a postgresql:// or sqlite:/// URL, got one "
+                                     f"starting {self.database_url.partition('://')[0][:20]!r}")
         if self.database_pooler not in POOLER_MODES:
             raise ConfigurationError(
                 f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r}")
@@ -232,6 +236,9 @@ class Settings:
     def is_allowed_private(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         """Whether ``address`` sits in a network the operator exempted from the SSRF block."""
         return any(address.version == net.version and address in net for net in self.allowed_cidrs)
+
+
+_DATABASE_URL = re.compile(r"(?:postgresql|sqlite)(?:\+\w+)?://", re.IGNORECASE)
 
 
 def parse_addr(addr: str, variable: str, *, lowest_port: int = 0) -> tuple[str, int]:

@@ -77,10 +77,11 @@ def _registration(raw: Any, field: str, settings: Settings, *, require_operation
                 or schemes[0] not in protocol.LEGACY_SCHEMES):
             raise OutboxValidationError(f"{field}.authentication.schemes", 'must be ["HMAC-SHA256"] or ["Bearer"]')
         credentials = auth.get("credentials")
-        if not isinstance(credentials, str) or len(credentials) < protocol.MIN_LEGACY_CREDENTIAL_LENGTH:
-            raise OutboxValidationError(
+        if (not isinstance(credentials, str)
+                or not protocol.MIN_LEGACY_CREDENTIAL_LENGTH <= len(credentials) <= protocol.TOKEN_LENGTH[1]):
+            raise OutboxValidationError(  # the upper bound: a Bearer header every receiver accepts
                 f"{field}.authentication.credentials",
-                f"must be at least {protocol.MIN_LEGACY_CREDENTIAL_LENGTH} characters",
+                f"must be {protocol.MIN_LEGACY_CREDENTIAL_LENGTH} to {protocol.TOKEN_LENGTH[1]} characters",
             )
         if not protocol.LEGACY_CREDENTIAL_RE.fullmatch(credentials):
             # It becomes a header value (Bearer) or an HMAC key the buyer types into config.

@@ -91,6 +91,22 @@ def test_status_does_not_call_an_empty_keyring_complete(sqlite_engine, capsys, m
     assert "OUTBOX_SIGNING_KEY_FILE" in line
 
 
+def test_an_empty_jwks_is_printed_with_a_warning_not_to_publish_it(sqlite_engine, capsys, monkeypatch):
+    code, out, err = cli(capsys, monkeypatch, url_of(sqlite_engine), "keys", "jwks")
+    assert code == 0 and json.loads(out) == {"keys": []}
+    assert one_line(err) and "no published key" in err and "OUTBOX_SIGNING_KEY_FILE" in err
+
+
+def test_a_job_action_refused_for_its_state_says_the_state(sqlite_engine, capsys, monkeypatch):
+    url = url_of(sqlite_engine)
+    assert cli(capsys, monkeypatch, url, "recover", "start", "--tenant", "acme", "--since", "6h")[0] == 0
+    assert cli(capsys, monkeypatch, url, "recover", "cancel", "1")[0] == 0
+    code, _, err = cli(capsys, monkeypatch, url, "recover", "pause", "1")
+    assert code == 1 and one_line(err) and "job 1 is cancelled: it cannot pause" in err, err
+    code, _, err = cli(capsys, monkeypatch, url, "recover", "pause", "9")
+    assert code == 1 and "no job 9" in err, err
+
+
 def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):
     from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 

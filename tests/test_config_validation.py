@@ -86,6 +86,20 @@ def test_addresses_that_are_legal() -> None:
     assert load_settings(env={"OUTBOX_METRICS_ADDR": ""}).metrics_addr in ("", None)  # empty: no endpoint
 
 
+@pytest.mark.parametrize("raw", ["", "outbox.db", "mysql://u:hunter2@db/outbox", "postgresql:/host/db"])
+def test_a_database_url_that_is_not_one_is_refused_naming_the_variable_not_its_secret(raw: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings(env={"OUTBOX_DATABASE_URL": raw})
+    message = str(caught.value)
+    assert message.startswith("OUTBOX_DATABASE_URL") and "hunter2" not in message and "\n" not in message
+
+
+def test_database_urls_of_both_databases_and_their_drivers_are_legal() -> None:
+    for raw in ("sqlite:///outbox.db", "sqlite://", "postgresql://u@h/db", "postgres://u@h/db",
+                "postgresql+psycopg://u@h/db", "SQLite:///x.db"):
+        assert load_settings(env={"OUTBOX_DATABASE_URL": raw}).database_url
+
+
 def test_toml_numbers_are_checked_alike(tmp_path: Path) -> None:
     path = tmp_path / "outbox.toml"
     for line in ("lease_seconds = nan", "concurrency = 2.5", "breaker_failure_threshold = true"):

@@ -274,6 +274,8 @@ BAD_INPUTS = [
     ("token", dict(push_notification_config={**PNC, "token": "x" * 4097})),
     ("credentials", dict(push_notification_config={**PNC, "authentication": {"schemes": ["HMAC-SHA256"],
                                                                            "credentials": "short-secret"}})),
+    ("credentials", dict(push_notification_config={**PNC, "authentication": {"schemes": ["Bearer"],
+                                                                           "credentials": "x" * 4097}})),
     ("schemes", dict(push_notification_config={**PNC, "authentication": {"schemes": ["Basic"],
                                                                        "credentials": "x" * 40}})),
     ("tenant_id", dict(tenant_id="")),

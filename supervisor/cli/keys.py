@@ -159,7 +159,12 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
     if args.action in ("list", "jwks", "revocations"):
         snapshot: Snapshot = _in_transaction(settings, keyring.read_snapshot)
         if args.action == "jwks":
-            print(json.dumps(keyring.jwks_document(snapshot.records, snapshot.now), indent=2))
+            document = keyring.jwks_document(snapshot.records, snapshot.now)
+            print(json.dumps(document, indent=2))
+            if not document["keys"]:  # publishing it would make every signature unverifiable
+                print("outboxd keys: warning: the keyring has no published key yet: `outboxd run` registers "
+                      "OUTBOX_SIGNING_KEY_FILE's at its first start (or `outboxd keys rotate --key-file FILE`)",
+                      file=sys.stderr)
         elif args.action == "revocations":
             print(json.dumps(_revocations(snapshot, settings), indent=2))
         elif args.json:

@@ -99,7 +99,9 @@ def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
         print_json(job) if args.json else _print_job(job)
         return 0
     if not run_async(settings, lambda conn: jobs.change(conn, args.job, args.action)):
-        raise UserError(f"job {args.job} does not exist or cannot {args.action} from its state")
+        job = run_async(settings, lambda conn: jobs.show(conn, args.job))
+        raise UserError(f"no job {args.job}" if job is None else
+                        f"job {args.job} is {job['state']}: it cannot {args.action} from that state")
     print(f"job {args.job}: {args.action} done")
     return 0
 
