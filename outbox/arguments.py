@@ -31,7 +31,8 @@ def check_string(value: Any, field: str, pattern: Any = None, what: str = "") ->
     and URL) then fits PostgreSQL's bound on an index entry, and a long one is refused here
     on every database instead of failing the seller's transaction on PostgreSQL alone."""
     if not isinstance(value, str) or not value:
-        raise OutboxValidationError(field, "is required and must be a non-empty string")
+        raise OutboxValidationError(field, "is required (a non-empty string)" if value is None else
+                                    f"must be a non-empty string, not {type(value).__name__} {str(value)[:40]!r}")
     if "\x00" in value or not is_utf8(value):
         raise OutboxValidationError(field, "contains a NUL or an unpaired surrogate (not valid UTF-8 text)")
     if len(value) > protocol.MAX_ID_BYTES // 4 and len(value.encode("utf-8")) > protocol.MAX_ID_BYTES:

@@ -201,7 +201,8 @@ class Settings:
                                      f"starting {self.database_url.partition('://')[0][:20]!r}")
         if self.database_pooler not in POOLER_MODES:
             raise ConfigurationError(
-                f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r}")
+                f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r} (a pooler in "
+                "session mode is none: each client keeps its server connection)")
         if self.listen_database_url is not None and not self.listen_database_url.startswith("postgresql"):
             raise ConfigurationError("OUTBOX_LISTEN_DATABASE_URL must be a postgresql:// URL (a direct connection "
                                      "for LISTEN)")

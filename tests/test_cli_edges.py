@@ -268,3 +268,17 @@ def test_a_database_that_never_answers_fails_each_command_within_the_connect_tim
     for args, code, err in ended:
         assert code == 1 and one_line(err) and "connection timeout expired" in err, (args, code, err)
     assert took < 15 + 10, took
+
+
+def test_reporting_without_the_sdks_tables_fails_in_one_line(fresh_db, capsys, monkeypatch):
+    """The SDK's own pool raises psycopg's errors, not SQLAlchemy's: still one line, no traceback."""
+    from tests.reporting_world import EXAMPLES
+
+    assert cli(capsys, monkeypatch, fresh_db, "migrate")[0] == 0
+    monkeypatch.setenv("OUTBOX_REPORTING_HANDOFF", "reporting_handoff:build")
+    monkeypatch.setenv("REPORTING_TENANT_ID", "acme")
+    monkeypatch.setenv("REPORTING_CIPHER_KEY", "A" * 43 + "=")
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    code, out, err = cli(capsys, monkeypatch, fresh_db, "reporting")
+    assert code == 1 and out == "" and one_line(err), err
+    assert "database error" in err and "does not exist" in err

@@ -44,6 +44,8 @@ COUNTERS = {
     "outbox_lease_rescues_total",
     "outbox_database_outages_total",
     "outbox_database_errors_total",
+    "outbox_reporting_handoffs_total",
+    "outbox_reporting_handoff_errors_total",
 }
 GAUGES = {
     "outbox_messages",
@@ -55,6 +57,7 @@ GAUGES = {
     "outbox_sealed_rows_unopenable",
     "outbox_encryption_reseal_backlog",
     "outbox_encryption_rotation_waiting_processes",
+    "outbox_reporting_handoff_backlog",
 }
 HISTOGRAMS = {
     "outbox_attempt_duration_seconds",

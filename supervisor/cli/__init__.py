@@ -88,9 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # database errors and the like: one line, no traceback
+        from psycopg import Error as PsycopgError  # the adcp SDK's own pool (`outboxd reporting`)
         from sqlalchemy.exc import SQLAlchemyError
 
-        if isinstance(exc, SQLAlchemyError):
+        if isinstance(exc, (SQLAlchemyError, PsycopgError)):
             detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
             print(f"outboxd {args.command}: database error: {detail}", file=sys.stderr)
             return 1
