@@ -30,6 +30,8 @@ from supervisor.cycle.outage import OutageGuard
 from supervisor.keys.keyring_cache import CachedKeyring
 from supervisor.wire.signing import generate_signing_key_pem
 from supervisor.wire.transport import HttpSender
+from tests.cli_calls import cli, url_of
+from tests.ledger import enqueue_many
 
 SECRET = "SENTINEL"
 REPORTING = {"url": f"https://buyer.example.com/reports?sig={SECRET}", "operation_id": "op_rep",
@@ -259,3 +261,17 @@ async def test_an_error_quoting_a_url_is_recorded_without_its_secrets(engine, se
         last_error = conn.execute(select(messages.c.last_error)).scalar_one()
         error = conn.execute(select(attempts.c.error)).scalar_one()
     assert last_error == error == "refused HTTPS://Buyer.Example.COM:443/h today"
+
+
+def test_a_url_filter_matches_only_what_listings_show(engine, capsys, monkeypatch):
+    """A filter on the stored URL would let whoever may filter (the console's token) read a
+    buyer's query-string secret one character at a time while every listing masks it."""
+    enqueue_many(engine, "https://buyer.example.com/hook", ["?token=SECRET1"])
+    if engine.dialect.name == "postgresql":  # a plain-SQL row may carry userinfo and a fragment too
+        with engine.begin() as conn:
+            _plain_sql_row(conn, "whk_plain_sql_userinfo_1", "https://user:PASSWORD1@buyer.example.com/other#FRAG1")
+    for needle in ("SECRET1", "token=", "?", "PASSWORD1", "user:", "FRAG1"):
+        code, out, _ = cli(capsys, monkeypatch, url_of(engine), "list", "--url", needle, "--json")
+        assert code == 0 and json.loads(out) == [], needle
+    code, out, _ = cli(capsys, monkeypatch, url_of(engine), "list", "--url", "buyer.example.com/hook", "--json")
+    assert [row["url"] for row in json.loads(out)] == ["https://buyer.example.com/hook"]

@@ -46,16 +46,22 @@ def parse_duration(text: str) -> float:
 
 
 def parse_time(text: str) -> float:
-    """An ISO 8601 time, or a duration meaning that long ago (``2h``)."""
+    """An ISO 8601 time, or a duration meaning that long ago (``2h``), in years 1 to 9999 in
+    UTC: a time every listing can print back (``0001-01-01T00:00+14:00`` or 10**20 days ago
+    would fail there, after the command had begun)."""
     try:
-        return time.time() - parse_duration(text)
+        when = time.time() - parse_duration(text)
     except argparse.ArgumentTypeError:
-        pass
+        try:
+            parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither an ISO 8601 time nor a duration like 2h") from None
+        when = (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).timestamp()
     try:
-        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an ISO 8601 time nor a duration like 2h") from None
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).timestamp()
+        datetime.fromtimestamp(when, timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a time between the years 1 and 9999") from None
+    return when
 
 
 def positive_int(text: str) -> int:

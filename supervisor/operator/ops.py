@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, func, or_, select, true
+from sqlalchemy import ColumnElement, Select, String, and_, delete, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 from outbox import store
 from outbox.activity import rfc3339
@@ -31,6 +33,34 @@ def _with_times(data: dict[str, Any]) -> dict[str, Any]:
             for k, v in data.items()}
 
 
+class _PublicUrl(FunctionElement[str]):
+    """A stored URL as :func:`outbox.urls.public_url` shows it (no userinfo, query or
+    fragment), in SQL: what a URL filter may match. Matching the stored URL itself would let
+    anyone who can filter (the console's token) find a buyer's query-string secret one
+    character at a time, while every listing masks it."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(_PublicUrl, "postgresql")
+def _public_url_pg(element: _PublicUrl, compiler: Any, **kw: Any) -> str:
+    url = compiler.process(element.clauses, **kw)
+    return f"regexp_replace({url}, '^([^:/?#]+://)([^/?#]*@)?([^?#]*).*$', '\\1\\3')"
+
+
+@compiles(_PublicUrl, "sqlite")
+def _public_url_sqlite(element: _PublicUrl, compiler: Any, **kw: Any) -> str:
+    # Only the producer writes SQLite rows (no SQL contract there): canonical URLs, whose one
+    # secret-bearing part is the query.
+    url = compiler.process(element.clauses, **kw)
+    return f"substr({url}, 1, instr({url} || '?', '?') - 1)"
+
+
+def _public_url(column: ColumnElement[str]) -> ColumnElement[str]:
+    return _PublicUrl(column)  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class Filters:
     """The selection shared by ``list`` and ``replay``."""
@@ -39,7 +69,7 @@ class Filters:
     reason: str | None = None
     tenant: str | None = None
     key: str | None = None  # idempotency key
-    url: str | None = None  # substring of the URL
+    url: str | None = None  # substring of the URL as shown (no query: it may hold the buyer's secrets)
     since: float | None = None  # created_at >= since (epoch seconds)
     until: float | None = None
     limit: int = 100
@@ -59,7 +89,7 @@ class Filters:
         if self.key:
             conditions.append(messages.c.idempotency_key == self.key)
         if self.url:
-            conditions.append(messages.c.url.contains(self.url, autoescape=True))
+            conditions.append(_public_url(messages.c.url).contains(self.url, autoescape=True))
         if self.since is not None:
             conditions.append(messages.c.created_at >= self.since)
         if self.until is not None:

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
+from starlette.middleware import Middleware
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -36,6 +37,7 @@ from supervisor.operator import ops
 from supervisor.operator.replay import replay
 from supervisor.ui import charts, present, queries, recovery
 from supervisor.ui.auth import COOKIE, Sessions
+from supervisor.ui.headers import SecurityHeaders
 from supervisor.ui.forms import (FILTER_FIELDS, HEALTH_WINDOWS, BadInput, filters_from, health_window, page_start,
                                  replay_limit)
 from supervisor.ui.kit import Kit
@@ -55,8 +57,6 @@ NOTICES = {
     "breaker-missing": "There was no breaker to reset: it had closed or been reset already.",
     **recovery.NOTICES,
 }
-SECURITY_HEADERS = {"X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
-                    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'"}
 
 
 def here(request: Request, **changes: Any) -> str:
@@ -101,12 +101,16 @@ def make_app(settings: Settings, token: str) -> Starlette:
     def render(request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         session = request.cookies.get(COOKIE)
         refreshing = context.pop("refreshes", False) and request.query_params.get("refresh") != "off"
-        response = TEMPLATES.TemplateResponse(request, name, {
+        return TEMPLATES.TemplateResponse(request, name, {
             "csrf": sessions.csrf(session), "refresh_seconds": REFRESH_SECONDS if refreshing else None,
             "pause_url": here(request, refresh="off"), "resume_url": here(request, refresh=None),
             "notice": NOTICES.get(request.query_params.get("notice", "")), **context}, status_code=status_code)
-        response.headers.update(SECURITY_HEADERS)
-        return response
+
+    async def unstorable_value(request: Request, exc: Exception) -> Response:
+        """A value the database refuses to compare (a NUL, a number past its range): the
+        request's fault, 400, not an outage."""
+        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        return render(request, "error.html", 400, message=f"A value in the request cannot be looked up ({detail}).")
 
     async def database_unavailable(request: Request, exc: Exception) -> Response:
         """A page the database could not serve: 503 and why, not a bare 500."""
@@ -218,7 +222,8 @@ def make_app(settings: Settings, token: str) -> Starlette:
         form = await action_form(request)
         if isinstance(form, Response):
             return form
-        ids = [int(i) for i in form.getlist("id") if isinstance(i, str) and i.isascii() and i.isdigit()]
+        ids = [int(i) for i in form.getlist("id")  # past BIGINT (19 digits) no id exists
+               if isinstance(i, str) and i.isascii() and i.isdigit() and len(i) < 19]
         try:
             filters = None if ids else filters_from(form, limit=replay_limit(form.get("limit")))
         except BadInput as exc:
@@ -260,7 +265,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         return response
 
     kit = Kit(render=render, action_form=action_form, signed_in=signed_in, engine=lambda: state["engine"])
-    return Starlette(lifespan=lifespan, exception_handlers={SQLAlchemyError: database_unavailable}, routes=[
+    return Starlette(lifespan=lifespan, middleware=[Middleware(SecurityHeaders)], exception_handlers={DataError: unstorable_value, SQLAlchemyError: database_unavailable}, routes=[
         *recovery.routes(kit),
         Route("/login", login, methods=["GET", "POST"]),
         Route("/", overview),

@@ -1,0 +1,65 @@
+"""The console's answers to hostile or mistyped requests, in process, on both databases: each is
+the requester's 4xx with its headers, never a 500 or an outage page."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from outbox.config import load_settings
+from supervisor.ui.headers import SECURITY_HEADERS
+
+TOKEN = "t" * 32
+
+
+@pytest.fixture
+def console(engine):
+    from starlette.testclient import TestClient
+
+    from supervisor.ui.app import make_app
+
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": engine.url.render_as_string(hide_password=False)})
+    with TestClient(make_app(settings, TOKEN), raise_server_exceptions=False) as client:
+        signed_in = client.post("/login", data={"token": TOKEN}, follow_redirects=False)
+        assert signed_in.status_code == 303
+        csrf = re.search(r'name="csrf" value="([^"]+)"', client.get("/jobs").text).group(1)
+        yield client, csrf, signed_in
+
+
+def test_every_answer_carries_the_security_headers(console):
+    client, _, signed_in = console
+    answers = [signed_in, client.get("/"), client.get("/login"), client.get("/static/console.css"),
+               client.get("/no-such-page"), client.post("/", data={}), client.get("/messages?state=bogus")]
+    for answer in answers:
+        missing = {k: v for k, v in SECURITY_HEADERS.items() if answer.headers.get(k) != v}
+        assert not missing, (answer.request.url, answer.status_code, missing)
+
+
+@pytest.mark.parametrize("path", ["/messages?tenant=%00", "/messages?key=a%00b", "/messages?url=%00", "/?tenant=%00",
+                                  "/endpoint?tenant=%00&origin=https://buyer.example", "/messages/a%00b"])
+def test_a_nul_in_a_search_is_the_requests_fault_not_an_outage(console, path):
+    client, _, _ = console
+    answer = client.get(path)
+    assert answer.status_code < 500 and "did not answer" not in answer.text, (answer.status_code, answer.text[:300])
+
+
+@pytest.mark.parametrize("form", [
+    {"id": "9223372036854775808"},  # one past BIGINT
+    {"tenant": "\x00", "confirm": "no"},
+])
+def test_a_replay_of_an_impossible_message_is_refused_or_finds_nothing(console, form):
+    client, csrf, _ = console
+    answer = client.post("/replay", data={"csrf": csrf, **form})
+    assert answer.status_code < 500 and "did not answer" not in answer.text, (answer.status_code, answer.text[:300])
+
+
+@pytest.mark.parametrize("when", ["99999999999999999999999999d", "0001-01-01T00:00+14:00", "9999-12-31T23:59:59-14:00",
+                                  "9" * 400])
+def test_a_job_from_a_time_no_page_can_print_is_refused_with_a_sentence(console, when):
+    client, csrf, _ = console
+    for kind, field in (("replay", "since"), ("cancel", "until")):
+        answer = client.post("/jobs/start", data={"csrf": csrf, "tenant": "acme", "kind": kind, field: when,
+                                                  **({"since": "1h"} if field == "until" else {})})
+        assert answer.status_code == 400 and "write a time like" in answer.text, (kind, answer.status_code,
+                                                                                   answer.text[:300])
