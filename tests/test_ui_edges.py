@@ -63,3 +63,19 @@ def test_a_job_from_a_time_no_page_can_print_is_refused_with_a_sentence(console,
                                                   **({"since": "1h"} if field == "until" else {})})
         assert answer.status_code == 400 and "write a time like" in answer.text, (kind, answer.status_code,
                                                                                    answer.text[:300])
+
+
+def test_a_session_ends_at_sign_out_or_a_working_day_after_sign_in():
+    from supervisor.ui.auth import SESSION_SECONDS, Sessions
+
+    now = [1000.0]
+    sessions = Sessions(TOKEN, clock=lambda: now[0])
+    assert sessions.sign_in("wrong" * 8) is None
+    kept, signed_out = sessions.sign_in(TOKEN), sessions.sign_in(TOKEN)
+    csrf = sessions.csrf(kept)
+    sessions.sign_out(signed_out)
+    now[0] += SESSION_SECONDS - 1
+    assert sessions.csrf(signed_out) is None and sessions.csrf_ok(kept, csrf)
+    now[0] += 1
+    assert sessions.csrf(kept) is None and not sessions.csrf_ok(kept, csrf)
+    assert SESSION_SECONDS == 12 * 3600

@@ -2,17 +2,22 @@
 
 Any page needs a session (the console shows tenants and URLs); any action (a POST) also
 needs the session's CSRF token in the form, so another site cannot make a signed-in
-browser replay or reset anything. The cookie is ``HttpOnly`` and ``SameSite=Strict``.
+browser replay or reset anything. The cookie is ``HttpOnly`` and ``SameSite=Strict``. A
+session ends at sign-out or :data:`SESSION_SECONDS` after sign-in, so a cookie copied off a
+machine stops working within a working day even if nobody signs out.
 """
 
 from __future__ import annotations
 
 import hmac
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 COOKIE = "outboxd_session"
 MAX_SESSIONS = 1000
+SESSION_SECONDS = 12 * 3600
 
 
 @dataclass
@@ -20,7 +25,8 @@ class Sessions:
     """The console's sign-in token and its live sessions (in memory: one process)."""
 
     token: str
-    _csrf_by_session: dict[str, str] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+    _csrf_by_session: dict[str, tuple[str, float]] = field(default_factory=dict)  # (csrf, ends at)
 
     def sign_in(self, offered: str) -> str | None:
         """A new session id when ``offered`` is the token, else ``None``."""
@@ -29,12 +35,16 @@ class Sessions:
         if len(self._csrf_by_session) >= MAX_SESSIONS:  # bounded: drop the oldest
             self._csrf_by_session.pop(next(iter(self._csrf_by_session)))
         session = secrets.token_urlsafe(32)
-        self._csrf_by_session[session] = secrets.token_urlsafe(32)
+        self._csrf_by_session[session] = (secrets.token_urlsafe(32), self.clock() + SESSION_SECONDS)
         return session
 
     def csrf(self, session: str | None) -> str | None:
-        """The CSRF token of a live session, ``None`` for no or an unknown session."""
-        return self._csrf_by_session.get(session or "")
+        """The CSRF token of a live session, ``None`` for no, an unknown or an ended session."""
+        csrf, ends_at = self._csrf_by_session.get(session or "", (None, 0.0))
+        if csrf is not None and self.clock() >= ends_at:
+            self.sign_out(session)
+            return None
+        return csrf
 
     def csrf_ok(self, session: str | None, offered: str | None) -> bool:
         expected = self.csrf(session)
