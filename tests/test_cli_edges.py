@@ -82,6 +82,11 @@ def test_status_says_none_due_rather_than_zero_seconds(sqlite_engine, capsys, mo
     enqueue_many(sqlite_engine, "https://buyer.example/hook", [""])
     code, out, _ = cli(capsys, monkeypatch, url_of(sqlite_engine), "status")
     assert code == 0 and re.search(r"^oldest due \d+\.\d s$", out, re.M), out
+    with sqlite_engine.begin() as conn:  # a retry's back-off: pending, but not due for an hour
+        conn.execute(messages.update().values(next_attempt_at=messages.c.next_attempt_at + 3600))
+    code, out, _ = cli(capsys, monkeypatch, url_of(sqlite_engine), "status")
+    assert code == 0 and re.search(r"^oldest due none \(all pending in back-off, the next due in 3\d{3}\.\d s\)$",
+                                   out, re.M), out
 
 
 def test_status_does_not_call_an_empty_keyring_complete(sqlite_engine, capsys, monkeypatch):

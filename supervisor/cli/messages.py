@@ -53,7 +53,12 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     m = data["messages"]
     print(f"messages   pending {m['pending']}  in_flight {m['in_flight']}  delivered {m['delivered']}  "
           f"dead {m['dead']}")
-    print(f"oldest due {data['oldest_due_age_seconds']:.1f} s" if m["pending"] else "oldest due none (nothing pending)")
+    if not m["pending"]:
+        print("oldest due none (nothing pending)")
+    elif data["next_due_in_seconds"] is not None:  # every pending message waits out a back-off
+        print(f"oldest due none (all pending in back-off, the next due in {data['next_due_in_seconds']:.1f} s)")
+    else:
+        print(f"oldest due {data['oldest_due_age_seconds']:.1f} s")
     print("dead       " + (", ".join(f"{k} {v}" for k, v in data["dead_by_reason"].items()) or "none"))
     print("breakers   " + (", ".join(f"{b['tenant_id']}@{b['origin']} {b['state']} ({b['failures']} failures, "
                                      f"{b['trips']} trips)" for b in data["open_breakers"])

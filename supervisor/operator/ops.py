@@ -132,6 +132,7 @@ async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
     return {
         "messages": {s: int(counts.get(s, 0)) for s in ("pending", "in_flight", "delivered", "dead")},
         "oldest_due_age_seconds": round(max(now - oldest, 0.0), 3) if oldest is not None and oldest <= now else 0.0,
+        "next_due_in_seconds": round(oldest - now, 3) if oldest is not None and oldest > now else None,
         "dead_by_reason": {str(k): int(v) for k, v in sorted(dead.items(), key=lambda kv: str(kv[0]))},
         "open_breakers": [_breaker(r) for r in open_rows],
         "top_tenants_by_backlog": [{"tenant_id": t, "backlog": int(n)} for t, n in backlog],
