@@ -264,6 +264,9 @@ def test_cli_rotation_from_the_config_key(database_url, tmp_path, capsys, monkey
     assert code == 1 and "set OUTBOX_REVOCATION_ISSUER" in err
     code, out, _ = cli("revocations", revocation_issuer=ISSUER)
     assert code == 0 and json.loads(out)["signatures"][0]["protected"]
+    code, _, err = cli("revoke", "k2")  # the active one: the warning is the line `status` gives, same fix
+    [paused] = [line for line in err.splitlines() if "has no active signing key" in line]
+    assert code == 0 and "`outboxd keys rotate --generate FILE`, then `outboxd keys promote`" in paused
 
 
 def test_cli_stages_a_jwk_with_its_kid_and_warns_on_the_purpose_3_0_buyers_reject(database_url, tmp_path, capsys,

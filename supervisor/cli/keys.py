@@ -124,10 +124,9 @@ def _revoke(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
         return record, keyring.read_snapshot(conn)
 
     record, snapshot = _in_transaction(settings, work)
-    active = snapshot.active(record.scope, snapshot.now)
-    if active is None:
-        _warn(f"{scope_label(record.scope)} has no active key now: its webhooks wait until you promote one "
-              "(`outboxd keys rotate`, then `outboxd keys promote --force`)")
+    paused = snapshot.paused(snapshot.now).get(record.scope)
+    if paused is not None:  # the line `outboxd status` and /readyz give, with the same fix
+        _warn(paused)
     if settings.revocation_issuer is None:
         _warn("OUTBOX_REVOCATION_ISSUER is not set, so no signed revocation list is served: buyers stop "
               f"trusting {record.kid} only once their cached JWKS expires")
