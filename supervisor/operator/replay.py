@@ -68,8 +68,8 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
         return result
     for start in range(0, len(eligible), CHUNK):  # one short transaction per chunk
         async with engine.begin() as conn:
-            result.replayed += await store.replay(conn, [c["id"] for c in eligible[start:start + CHUNK]], force=force,
-                                                  horizon_seconds=horizon_seconds)
+            result.replayed += sorted(await store.replay(  # RETURNING keeps no order: list them by id
+                conn, [c["id"] for c in eligible[start:start + CHUNK]], force=force, horizon_seconds=horizon_seconds))
             await store.notify(conn)
         if progress is not None and len(eligible) > CHUNK:
             progress(len(result.replayed), len(eligible))
