@@ -33,9 +33,13 @@ def check_string(value: Any, field: str, pattern: Any = None, what: str = "") ->
     if not isinstance(value, str) or not value:
         raise OutboxValidationError(field, "is required (a non-empty string)" if value is None else
                                     f"must be a non-empty string, not {type(value).__name__} {str(value)[:40]!r}")
-    if "\x00" in value or not is_utf8(value):
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        size = -1
+    if "\x00" in value or size < 0:
         raise OutboxValidationError(field, "contains a NUL or an unpaired surrogate (not valid UTF-8 text)")
-    if len(value) > protocol.MAX_ID_BYTES // 4 and len(value.encode("utf-8")) > protocol.MAX_ID_BYTES:
+    if size > protocol.MAX_ID_BYTES:
         raise OutboxValidationError(field, f"is over {protocol.MAX_ID_BYTES} bytes of UTF-8")
     if pattern is not None and not pattern.fullmatch(value):
         raise OutboxValidationError(field, f"{value[:80]!r} does not match {what or pattern.pattern}")

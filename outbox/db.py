@@ -76,6 +76,12 @@ def configure_sqlite(engine: Engine) -> None:
 _KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of a failed database call's driver error (SQLAlchemy wraps it as
+    ``orig``): what the CLI and the console print in place of a traceback."""
+    return str(getattr(exc, "orig", None) or exc).splitlines()[0]
+
+
 def connect_options(settings: "Settings") -> dict[str, Any]:
     """libpq options (``connect_args`` of a PostgreSQL engine, ``kwargs`` of a psycopg pool)
     that bound connecting and a dead peer by ``OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS``.

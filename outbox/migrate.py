@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from alembic import command
@@ -46,6 +47,12 @@ def head_revision() -> str:
     head = _script().get_current_head()
     assert head is not None
     return head
+
+
+def revision_module(revision: str) -> ModuleType:
+    """A shipped migration's module, loaded by Alembic (its file name is no importable module
+    name): for a later migration that restores or extends what that one created."""
+    return _script().get_revision(revision).module
 
 
 def known_revisions() -> frozenset[str]:

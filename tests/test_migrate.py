@@ -93,3 +93,24 @@ def test_schema_check_follows_the_recorded_minimum_reader(sqlite_engine):
     assert verdict("next", older) == "ahead"
     assert verdict("next", "not-a-revision-of-ours") == "incompatible"
     assert verdict("next", None) == "incompatible"
+
+
+def test_0017_refuses_ambiguous_origins_in_sql_and_its_downgrade_restores_0002s(fresh_db):
+    from alembic import command
+
+    from outbox.migrate import alembic_config
+
+    engine = make_engine(fresh_db)
+    origin = text("SELECT outbox_origin('https://buyer.example:0/h'), outbox_origin('https://127.1/h'), "
+                  "outbox_origin('https://1.2.3.4:8443/h')")
+    try:
+        upgrade(engine)
+        with engine.connect() as conn:
+            assert tuple(conn.execute(origin).one()) == (None, None, "https://1.2.3.4:8443")
+        with engine.begin() as conn:
+            command.downgrade(alembic_config(conn), "0016_stats_failures")
+        with engine.connect() as conn:
+            assert tuple(conn.execute(origin).one()) == ("https://buyer.example:0", "https://127.1",
+                                                         "https://1.2.3.4:8443")
+    finally:
+        engine.dispose()

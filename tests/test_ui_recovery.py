@@ -17,7 +17,7 @@ from outbox.config import load_settings
 from outbox.db import make_async_engine
 from outbox.schema import endpoint_stats, jobs, messages
 from supervisor.observe import health_stats
-from supervisor.ui.forms import JOB_RATE_MAX, BadInput, job_number, job_rate, job_selection
+from supervisor.ui.forms import JOB_RATE_MAX, BadInput, row_id, job_rate, job_selection
 from tests.console_history import ENDPOINTS, OPEN_ENDPOINT, seed
 from tests.console_driver import bucket_bounds, tile
 
@@ -204,5 +204,5 @@ def test_any_typed_job_is_a_selection_or_a_sentence(fields):
         assert 0 < job_rate(fields.get("rate")) <= JOB_RATE_MAX
     except BadInput as exc:
         assert "not a number" in str(exc) or "above 0" in str(exc)
-    number = job_number(fields.get("tenant", ""))
+    number = row_id(fields.get("tenant", ""))
     assert number is None or 0 < number < 2**63

@@ -91,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from psycopg import Error as PsycopgError  # the adcp SDK's own pool (`outboxd reporting`)
         from sqlalchemy.exc import SQLAlchemyError
 
+        from outbox.db import error_line
+
         if isinstance(exc, (SQLAlchemyError, PsycopgError)):
-            detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-            print(f"outboxd {args.command}: database error: {detail}", file=sys.stderr)
+            print(f"outboxd {args.command}: database error: {error_line(exc)}", file=sys.stderr)
             return 1
         raise
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, String, and_, delete, func, or_, select, true
+from sqlalchemy import Select, String, and_, delete, func, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
@@ -57,10 +57,6 @@ def _public_url_sqlite(element: _PublicUrl, compiler: Any, **kw: Any) -> str:
     return f"substr({url}, 1, instr({url} || '?', '?') - 1)"
 
 
-def _public_url(column: ColumnElement[str]) -> ColumnElement[str]:
-    return _PublicUrl(column)  # type: ignore[return-value]
-
-
 @dataclass(frozen=True)
 class Filters:
     """The selection shared by ``list`` and ``replay``."""
@@ -89,7 +85,7 @@ class Filters:
         if self.key:
             conditions.append(messages.c.idempotency_key == self.key)
         if self.url:
-            conditions.append(_public_url(messages.c.url).contains(self.url, autoescape=True))
+            conditions.append(_PublicUrl(messages.c.url).contains(self.url, autoescape=True))
         if self.since is not None:
             conditions.append(messages.c.created_at >= self.since)
         if self.until is not None:

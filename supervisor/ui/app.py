@@ -28,7 +28,7 @@ from starlette.templating import Jinja2Templates
 
 from outbox import store
 from outbox.config import Settings
-from outbox.db import make_async_engine
+from outbox.db import error_line, make_async_engine
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cycle.cutoff import bound_each_hold
 from supervisor.cycle.operator_engine import operator_engine
@@ -39,7 +39,7 @@ from supervisor.ui import charts, present, queries, recovery
 from supervisor.ui.auth import COOKIE, Sessions
 from supervisor.ui.headers import SecurityHeaders
 from supervisor.ui.forms import (FILTER_FIELDS, HEALTH_WINDOWS, BadInput, filters_from, health_window, page_start,
-                                 replay_limit)
+                                 replay_limit, row_id)
 from supervisor.ui.kit import Kit
 from supervisor.ui.registry import subscribers
 from supervisor.ui.timeseries import DAY, HOUR, Scope, series
@@ -109,14 +109,13 @@ def make_app(settings: Settings, token: str) -> Starlette:
     async def unstorable_value(request: Request, exc: Exception) -> Response:
         """A value the database refuses to compare (a NUL, a number past its range): the
         request's fault, 400, not an outage."""
-        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        return render(request, "error.html", 400, message=f"A value in the request cannot be looked up ({detail}).")
+        return render(request, "error.html", 400,
+                      message=f"A value in the request cannot be looked up ({error_line(exc)}).")
 
     async def database_unavailable(request: Request, exc: Exception) -> Response:
         """A page the database could not serve: 503 and why, not a bare 500."""
-        detail = str(getattr(exc, "orig", None) or exc).splitlines()[0]
         return render(request, "error.html", 503, title="Database unavailable",
-                      message=f"The outbox database did not answer ({detail}). Reload once it is back.")
+                      message=f"The outbox database did not answer ({error_line(exc)}). Reload once it is back.")
 
     def signed_in(request: Request) -> bool:
         return sessions.csrf(request.cookies.get(COOKIE)) is not None
@@ -222,8 +221,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         form = await action_form(request)
         if isinstance(form, Response):
             return form
-        ids = [int(i) for i in form.getlist("id")  # past BIGINT (19 digits) no id exists
-               if isinstance(i, str) and i.isascii() and i.isdigit() and len(i) < 19]
+        ids = [n for i in form.getlist("id") if isinstance(i, str) and (n := row_id(i)) is not None]
         try:
             filters = None if ids else filters_from(form, limit=replay_limit(form.get("limit")))
         except BadInput as exc:

@@ -113,10 +113,11 @@ def job_rate(value: Any) -> float:
         raise BadInput(f"“messages a second” {exc}.") from None
 
 
-def job_number(value: str) -> int | None:
-    """A job id from an address; ``None`` for anything that cannot be one ("¹", "0", past BIGINT)."""
+def row_id(value: str) -> int | None:
+    """A job's or a message's id as typed; ``None`` for anything that cannot be one ("¹", "0",
+    past BIGINT: ids count from 1)."""
     number = int(value) if value.isascii() and value.isdigit() and 0 < len(value) < 19 else 0
-    return number if number > 0 else None  # job ids count from 1
+    return number if number > 0 else None
 
 
 def health_window(value: str | None) -> tuple[str, int]:

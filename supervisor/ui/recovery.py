@@ -19,7 +19,7 @@ from outbox import store
 from outbox.schema import DEAD_REASONS
 from supervisor.operator import jobs
 from supervisor.operator.ops import rfc3339
-from supervisor.ui.forms import JOB_RATE_DEFAULT, BadInput, job_number, job_rate, job_selection
+from supervisor.ui.forms import JOB_RATE_DEFAULT, BadInput, row_id, job_rate, job_selection
 from supervisor.ui.kit import Kit
 
 JOBS_SHOWN = 50
@@ -49,7 +49,7 @@ def routes(kit: Kit) -> list[Route]:
     async def job_page(request: Request) -> Response:
         if not kit.signed_in(request):
             return RedirectResponse("/login", status_code=303)
-        number = job_number(request.path_params["job"])
+        number = row_id(request.path_params["job"])
         async with kit.engine().connect() as conn:
             job = None if number is None else await jobs.show(conn, number)
             now = await store.db_now(conn)
@@ -84,7 +84,7 @@ def routes(kit: Kit) -> list[Route]:
         form = await kit.action_form(request)
         if isinstance(form, Response):
             return form
-        number, action = job_number(request.path_params["job"]), request.path_params["action"]
+        number, action = row_id(request.path_params["job"]), request.path_params["action"]
         if number is None or action not in jobs.TRANSITIONS:
             return kit.refuse(request, 404, "No such recovery job or action.")
         if action == "cancel" and form.get("confirm") != "yes":

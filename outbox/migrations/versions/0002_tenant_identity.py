@@ -22,14 +22,10 @@ Create Date: 2026-12-01
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrate import record_min_reader
+from outbox.migrate import record_min_reader, revision_module
 from outbox.schema import schema_compat
 
 revision = "0002_tenant_identity"
@@ -121,16 +117,6 @@ $$
 """
 
 
-def _revision_0001() -> ModuleType:
-    """The 0001 migration module (its file name is not an importable module name)."""
-    spec = importlib.util.spec_from_file_location("outbox_migration_0001", Path(__file__).with_name(
-        "0001_outbox_tables.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def upgrade() -> None:
     op.add_column("outbox_messages", sa.Column("binding_digest", sa.LargeBinary))
     op.create_index("outbox_messages_key_tenant_key", "outbox_messages", ["idempotency_key", "tenant_id"],
@@ -147,7 +133,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute(sa.delete(schema_compat).where(schema_compat.c.revision == revision))
     if op.get_bind().dialect.name == "postgresql":
-        restore_0001_fill = _revision_0001()._PG_CONTRACT[1:3]  # its fill function and trigger
+        restore_0001_fill = revision_module("0001")._PG_CONTRACT[1:3]  # its fill function and trigger
         for statement in ("DROP FUNCTION outbox_next_sequence(text, text)", "DROP TRIGGER outbox_messages_fill"
                           " ON outbox_messages", "DROP FUNCTION outbox_messages_fill()", *restore_0001_fill,
                           "DROP FUNCTION outbox_origin(text)"):

@@ -14,14 +14,10 @@ Create Date: 2026-12-05
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrate import record_additive
+from outbox.migrate import record_additive, revision_module
 from outbox.schema import schema_compat
 
 revision = "0017_origin_literals"
@@ -42,18 +38,9 @@ _ZERO_PORT = """
         IF port = '0' OR length(port) > 5 OR port::int > 65535 THEN"""
 
 
-def _revision_0002() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("outbox_migration_0002", Path(__file__).with_name(
-        "0002_tenant_identity.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _origin_function() -> str:
     """0002's ``outbox_origin`` with the two cases above returning NULL."""
-    before = _revision_0002()._ORIGIN
+    before = revision_module("0002_tenant_identity")._ORIGIN
     edits = (("\n    END IF;\n    port := NULLIF(parts[2], '');", _NUMERIC_HOST),
              ("\n        IF length(port) > 5 OR port::int > 65535 THEN", _ZERO_PORT))
     after = before
@@ -72,4 +59,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute(sa.delete(schema_compat).where(schema_compat.c.revision == revision))
     if op.get_bind().dialect.name == "postgresql":
-        op.execute(_revision_0002()._ORIGIN)
+        op.execute(revision_module("0002_tenant_identity")._ORIGIN)
