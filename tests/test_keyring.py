@@ -314,3 +314,32 @@ def test_a_scope_without_an_active_key_is_paused_with_the_fix_it_needs() -> None
     assert paused["acme"].endswith("`outboxd keys rotate --tenant acme --generate FILE`, then "
                                    "`outboxd keys promote --tenant acme`")
     assert snapshot.paused(20.0) == {}, "before the revocations every scope had its key"
+
+
+@pytest.mark.parametrize("mode, warned", [(0o644, True), (0o604, True), (0o640, False), (0o600, False)])
+def test_a_key_file_anyone_on_the_host_can_read_is_warned_about(engine, database_url, tmp_path, capsys,
+                                                                  monkeypatch, mode, warned):
+    import asyncio
+
+    from structlog.testing import capture_logs
+
+    configured = key_file(tmp_path, "k1")
+    configured.chmod(0o600)
+    monkeypatch.setenv("OUTBOX_SIGNING_KEY_FILE", str(configured))
+    monkeypatch.setenv("OUTBOX_SIGNING_KEY_ID", "k1")
+    staged = key_file(tmp_path, "k2")
+    staged.chmod(mode)
+    code, _, err = run_cli(capsys, monkeypatch, database_url, "rotate", "--key-file", str(staged), "--kid", "k2")
+    assert code == 0 and (f"chmod 600 {staged}" in err) is warned, err
+
+    async def daemon_start() -> None:  # the daemon loads the staged key: it may sign soon
+        async_engine = make_async_engine(database_url)
+        try:
+            await CachedKeyring(Settings()).start(async_engine)
+        finally:
+            await async_engine.dispose()
+
+    with capture_logs() as logs:
+        asyncio.run(daemon_start())
+    readable = [(e["kid"], e["hint"]) for e in logs if e["event"] == "keyring.key_file_readable_by_others"]
+    assert readable == ([("k2", f"chmod 600 {staged}")] if warned else [])

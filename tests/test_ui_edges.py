@@ -79,3 +79,34 @@ def test_a_session_ends_at_sign_out_or_a_working_day_after_sign_in():
     now[0] += 1
     assert sessions.csrf(kept) is None and not sessions.csrf_ok(kept, csrf)
     assert SESSION_SECONDS == 12 * 3600
+
+
+@pytest.mark.parametrize("base, secure", [("https://console.example", True), ("http://127.0.0.1", False)])
+def test_the_session_cookie_is_secure_whenever_the_browser_came_over_tls(engine, base, secure):
+    from starlette.testclient import TestClient
+
+    from supervisor.ui.app import make_app
+
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": engine.url.render_as_string(hide_password=False)})
+    with TestClient(make_app(settings, TOKEN), base_url=base) as client:
+        cookie = client.post("/login", data={"token": TOKEN}, follow_redirects=False).headers["set-cookie"]
+    attributes = {part.strip().lower() for part in cookie.split(";")}
+    assert {"httponly", "samesite=strict"} <= attributes and ("secure" in attributes) is secure, cookie
+
+
+def test_an_action_without_a_session_is_refused_before_its_form_is_read(engine):
+    from starlette.testclient import TestClient
+
+    from supervisor.ui.app import make_app
+
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": engine.url.render_as_string(hide_password=False)})
+    read = []
+
+    def body():  # the request body, noting whether anyone read it
+        read.append(True)
+        yield b"csrf=x&id=1"
+
+    with TestClient(make_app(settings, TOKEN)) as client:
+        answer = client.post("/replay", content=body(),
+                             headers={"content-type": "application/x-www-form-urlencoded"})
+    assert answer.status_code == 401 and not read

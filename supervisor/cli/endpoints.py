@@ -8,7 +8,7 @@ from typing import Any
 from outbox.config import Settings
 from supervisor.cli.common import (
     Subcommands,
-    UserError,
+    UsageError,
     endpoint_origin_arg,
     parse_duration,
     positive_int,
@@ -30,7 +30,7 @@ def cmd_endpoints(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor.observe.health_stats import RETENTION_SECONDS, endpoint_health
 
     if not 60 <= args.window <= RETENTION_SECONDS:
-        raise UserError(f"--window must be between 1m and {RETENTION_SECONDS // 3600}h")
+        raise UsageError(f"--window must be between 1m and {RETENTION_SECONDS // 3600}h")
 
     async def work(conn: Any) -> Any:
         return await endpoint_health(conn, window_seconds=args.window, tenant=args.tenant, origin=args.origin,

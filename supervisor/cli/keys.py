@@ -29,6 +29,7 @@ from supervisor.wire.signing import (
     SigningKey,
     generate_signing_key_pem,
     load_signing_key,
+    readable_by_others,
 )
 
 
@@ -67,7 +68,10 @@ def _load_for_staging(path: Path, kid: str | None, scope: str) -> SigningKey:
         is_jwk = path.read_bytes().lstrip().startswith(b"{")
     except OSError as exc:
         raise ConfigurationError(f"signing key file {path}: cannot read it ({exc.strerror})") from None
-    return load_signing_key(path, kid or (None if is_jwk else _default_kid(scope)))
+    key = load_signing_key(path, kid or (None if is_jwk else _default_kid(scope)))
+    if readable_by_others(path):
+        _warn(f"{path} is readable by every user of this host: chmod 600 {path}")
+    return key
 
 
 def _iso(epoch: float | None) -> str:

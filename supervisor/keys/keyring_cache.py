@@ -34,7 +34,7 @@ from supervisor.keys.keyring import (
     revocation_document,
     scope_label,
 )
-from supervisor.wire.signing import SigningKey, load_signing_key
+from supervisor.wire.signing import SigningKey, load_signing_key, readable_by_others
 
 JWKS_PATH = "/.well-known/jwks.json"
 REVOCATIONS_PATH = "/.well-known/governance-revocations.json"
@@ -145,6 +145,9 @@ class CachedKeyring:
                 try:
                     self._keys[record.kid] = load_private_key(record)
                     self._problems.pop(record.kid, None)
+                    if readable_by_others(record.key_file):
+                        self._log.warning("keyring.key_file_readable_by_others", kid=record.kid, scope=record.scope,
+                                          key_file=record.key_file, hint=f"chmod 600 {record.key_file}")
                 except ConfigurationError as exc:
                     if self._problems.get(record.kid) != str(exc):
                         self._log.error("keyring.key_unusable", kid=record.kid, scope=record.scope, error=str(exc))

@@ -121,10 +121,12 @@ def make_app(settings: Settings, token: str) -> Starlette:
         return sessions.csrf(request.cookies.get(COOKIE)) is not None
 
     async def action_form(request: Request) -> FormData | Response:
-        """The form of an allowed action, or the refusal: 401 without a session, 403 on a bad CSRF token."""
-        form = await request.form()
+        """The form of an allowed action, or the refusal: 401 without a session (its body left
+        unread, so no one without the token makes the console parse anything), 403 on a bad CSRF
+        token."""
         if not signed_in(request):
             return render(request, "error.html", 401, message="Sign in first: actions need the console token.")
+        form = await request.form()
         csrf = form.get("csrf")
         if not sessions.csrf_ok(request.cookies.get(COOKIE), csrf if isinstance(csrf, str) else None):
             return render(request, "error.html", 403, message="The form's security token is missing or stale: "
@@ -139,7 +141,10 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if session is None:
             return render(request, "login.html", 401, error="That is not the console token.")
         response = RedirectResponse("/", status_code=303)
-        response.set_cookie(COOKIE, session, httponly=True, samesite="strict", path="/")
+        # Secure whenever the browser reached the console over TLS (directly or, with the proxy's
+        # X-Forwarded-Proto, through it), so the cookie never travels back over plain HTTP.
+        response.set_cookie(COOKIE, session, httponly=True, samesite="strict", path="/",
+                            secure=request.url.scheme == "https")
         return response
 
     async def overview(request: Request) -> Response:

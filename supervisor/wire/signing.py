@@ -17,6 +17,7 @@ import hmac
 import json
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +145,16 @@ class SigningKey:
 
 def _read_error(path: str | os.PathLike[str], exc: OSError) -> ConfigurationError:
     return ConfigurationError(f"signing key file {os.fspath(path)}: cannot read it ({exc.strerror})")
+
+
+def readable_by_others(path: str | os.PathLike[str]) -> bool:
+    """True when anyone on the host may read ``path`` (its "other" read bit is set), as ``ssh``
+    would complain of for a private key. Group read is left alone: a Kubernetes Secret mounted
+    with ``defaultMode: 0440`` and an ``fsGroup`` is the documented way to hand the key over."""
+    try:
+        return bool(os.stat(path).st_mode & stat.S_IROTH)
+    except OSError:
+        return False  # unreadable files are reported by load_signing_key
 
 
 def _private_key_from_jwk(jwk: object, where: str) -> PrivateKey:
