@@ -1,6 +1,7 @@
 """What the claim hands the daemon and what the daemon hands back: a leased message
-(:class:`Claimed`), one claim's batch of them (:class:`ClaimedBatch`) and the recorded
-outcome of one (:class:`Completion`). Kept apart from the statements (outbox/store.py) because
+(:class:`Claimed`), one claim's batch of them (:class:`ClaimedBatch`), the recorded
+outcome of one (:class:`Completion`) and a lease taken back from a daemon that died
+(:class:`RescuedLease`). Kept apart from the statements (outbox/store.py) because
 every part of the delivery cycle passes them around, and none of it needs the SQL.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Claimed", "ClaimedBatch", "Completion"]
+__all__ = ["Claimed", "ClaimedBatch", "Completion", "RescuedLease"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,26 @@ class ClaimedBatch(list[Claimed]):
 
     contended: bool = False
     retired: int = 0
+
+
+@dataclass(frozen=True)
+class RescuedLease:
+    """A message handed back when its lease ran out, with the lease it held: the attempt it
+    was on is recorded ``abandoned``, naming the daemon that held it."""
+
+    id: int
+    tenant_id: str
+    url: str
+    attempts: int
+    idempotency_key: str
+    sequence_number: int | None
+    notification_type: str | None
+    trigger: str
+    payload_size: int
+    leased_by: str | None
+    lease_expires_at: float
+
+    def started_at(self, lease_seconds: float) -> float:
+        """When the abandoned attempt's lease began: its expiry less the lease length (the
+        rescuing daemon's; daemons configured alike lease alike)."""
+        return self.lease_expires_at - lease_seconds

@@ -26,7 +26,7 @@ from sqlalchemy import TextClause, bindparam, text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.claim_sql import DEADLINE, GATHER_DUE, MIN_HORIZON_SECONDS, PILE, claim_sql
-from outbox.leases import Claimed, ClaimedBatch, Completion
+from outbox.leases import Claimed, ClaimedBatch, Completion, RescuedLease
 from outbox.schema import PG_NOW, SQLITE_NOW, attempts
 from outbox.sealing import OVERHEAD
 from outbox.urls import endpoint_origin
@@ -46,6 +46,16 @@ def json_rows(pg: bool, columns: Sequence[tuple[str, str]]) -> str:
         return f"jsonb_to_recordset(CAST(:rows AS jsonb)) AS v({spec})"
     picks = ", ".join(f"json_extract(value, '$.{name}') AS {name}" for name, _ in columns)
     return f"(SELECT {picks} FROM json_each(:rows)) AS v"
+
+
+# A fire to an account's subscriber is sent only while that subscriber is active at the
+# fire's URL: once it is removed, paused or moved to another URL (docs/subscribers.md:
+# "nothing more is sent"), no replay sends it there, whatever the fire's own state. SQL on
+# the unaliased outbox_messages, for the replay and the operator's dry run alike.
+SUBSCRIBER_REVOKED = """(outbox_messages.subscriber_ref IS NOT NULL
+    AND COALESCE(outbox_messages.notification_type, '') <> 'webhook.challenge'
+    AND NOT EXISTS (SELECT 1 FROM outbox_subscribers AS s WHERE s.id = outbox_messages.subscriber_ref
+                    AND s.state = 'active' AND s.url = outbox_messages.url))"""
 
 
 class _Statements:
@@ -83,15 +93,22 @@ class _Statements:
             WHERE m.id = v.mid AND m.lease_token = v.tok AND m.state = 'in_flight'{by_key}
             RETURNING id
         """)
+        # Who held each lease and until when are read before the rows are handed back (an
+        # UPDATE's RETURNING sees only the new, cleared values): the abandoned attempt names
+        # the daemon that died and starts when its lease began.
+        self.rescue_pick = text(f"""
+            SELECT id, leased_by, lease_expires_at FROM outbox_messages
+            WHERE state = 'in_flight' AND lease_expires_at < {now}
+            ORDER BY lease_expires_at LIMIT :limit {lock_plain}
+        """)
         self.rescue = text(f"""
             UPDATE outbox_messages
             SET state = 'pending', next_attempt_at = {now}, lease_token = NULL, lease_expires_at = NULL,
                 leased_by = NULL
-            WHERE id IN (SELECT id FROM outbox_messages WHERE state = 'in_flight' AND lease_expires_at < {now}
-                         ORDER BY lease_expires_at LIMIT :limit {lock_plain})
+            WHERE id IN :ids AND state = 'in_flight' AND lease_expires_at < {now}
             RETURNING id, tenant_id, url, attempts, idempotency_key, sequence_number, notification_type,
-                      trigger, leased_by, {plain_size} AS payload_size
-        """)
+                      trigger, {plain_size} AS payload_size
+        """).bindparams(bindparam("ids", expanding=True))
         # Past created_at + horizon (a forced replay's own retry_until aside) ends dead,
         # attempted or not. Every deadline is at least MIN_HORIZON after enqueue, so the
         # pending-by-enqueue-time index bounds the sweep to rows that can be due to expire.
@@ -136,7 +153,7 @@ class _Statements:
             WHERE id IN :ids AND state IN ('dead', 'delivered')
               AND (:force OR {DEADLINE} > {now})
               -- never to a URL that failed its proof, nor to a revoked subscriber
-              AND COALESCE(dead_reason, '') NOT IN ('proof_failed', 'cancelled')
+              AND COALESCE(dead_reason, '') NOT IN ('proof_failed', 'cancelled') AND NOT ({SUBSCRIBER_REVOKED})
             RETURNING id
         """).bindparams(bindparam("ids", expanding=True))
 
@@ -285,9 +302,16 @@ async def insert_attempts(conn: AsyncConnection, rows: Sequence[dict[str, Any]])
         await conn.execute(_INSERT_ATTEMPTS, list(rows))
 
 
-async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> list[Any]:
-    """Hand back messages whose daemon died mid-attempt (their lease ran out)."""
-    return list(await conn.execute(sql(conn).rescue, {"limit": limit}))
+async def rescue_expired_leases(conn: AsyncConnection, *, limit: int = 500) -> list[RescuedLease]:
+    """Hand back messages whose daemon died mid-attempt (their lease ran out), each with the
+    lease it held."""
+    statements = sql(conn)
+    held = {r.id: r for r in await conn.execute(statements.rescue_pick, {"limit": limit})}
+    if not held:
+        return []
+    rows = await conn.execute(statements.rescue, {"ids": sorted(held)})
+    return [RescuedLease(**r._mapping, leased_by=held[r.id].leased_by,
+                         lease_expires_at=held[r.id].lease_expires_at) for r in rows]
 
 
 async def expire_past_horizon(conn: AsyncConnection, *, horizon_seconds: int, limit: int = 500) -> list[Any]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from sqlalchemy import Connection, Update, delete, select, update
+from sqlalchemy import Connection, Update, delete, select, text, update
 
 from outbox import protocol
 from outbox.arguments import as_mapping, check_string
@@ -222,11 +222,24 @@ def _key(tenant: str, account: str, subscriber_id: str) -> Any:
             & (subscribers.c.subscriber_id == subscriber_id))
 
 
-def _locked(connection: Connection, condition: Any) -> Any:
-    query = select(subscribers).where(condition)
-    if connection.dialect.name == "postgresql":
-        query = query.with_for_update()
-    return connection.execute(query).first()
+# The first registration of an entry has no row to lock: on PostgreSQL the key itself is
+# locked (a transaction-level advisory lock, safe behind a transaction pooler), so a second,
+# concurrent first registration waits for the first to commit and then finds its row,
+# instead of colliding on the unique key. The two-integer form keeps outboxd's locks apart
+# from any a seller takes with a single bigint.
+_LOCK_KEY = text("SELECT pg_advisory_xact_lock(hashtext('outbox_subscribers'), hashtext(:key))")
+
+
+def _locked(connection: Connection, tenant: str, account: str, subscriber_id: str) -> Any:
+    """The entry's row, locked until the transaction ends (``None`` when there is none yet)."""
+    query = select(subscribers).where(_key(tenant, account, subscriber_id))
+    if connection.dialect.name != "postgresql":  # SQLite: the writer's BEGIN IMMEDIATE serializes
+        return connection.execute(query).first()
+    row = connection.execute(query.with_for_update()).first()
+    if row is None:
+        connection.execute(_LOCK_KEY, {"key": json.dumps([tenant, account, subscriber_id])})
+        row = connection.execute(query.with_for_update()).first()
+    return row
 
 
 def register_subscriber(
@@ -255,8 +268,7 @@ def register_subscriber(
     subscriber_id, events, active, registration = _validated(notification_config, settings)
     digest = _config_digest(registration, events)
     connection = _connection(conn)
-    key = _key(tenant, account, subscriber_id)
-    row = _locked(connection, key)
+    row = _locked(connection, tenant, account, subscriber_id)
     unchanged = row is not None and (row.config_sha256, bool(row.active), row.principal_id) == (digest, active, owner)
     # The same configuration waiting on a proof that ended unsettled (a database an older
     # release left so): proven again, and its held fires wait for the new proof.
@@ -317,7 +329,7 @@ def remove_subscriber(conn: Conn, *, tenant_id: str, account_id: str, subscriber
     """
     connection = _connection(conn)
     tenant, account = _tenant(tenant_id), check_string(account_id, "account_id")
-    row = _locked(connection, _key(tenant, account, check_string(subscriber_id, "subscriber_id")))
+    row = _locked(connection, tenant, account, check_string(subscriber_id, "subscriber_id"))
     if row is None:
         return False
     if row.state == "pending_proof":

@@ -285,7 +285,7 @@ async def test_completer_isolates_an_outcome_the_database_refuses(any_url):
         assert all(len(rows[m.id]) == 1 for k, m in stored.items() if k not in poison)
         # The lease runs out: the rescuer logs the cut-short attempt and makes it due again.
         time.sleep(0.6)
-        assert await rescue_once(engine, "unit") == 2
+        assert await rescue_once(engine, "unit", 0.5) == 2
         with sync.begin() as conn:
             conn.exec_driver_sql("DROP TRIGGER outbox_test_refuse" + (" ON outbox_attempts" if pg else ""))
         async with engine.begin() as conn:
@@ -423,3 +423,34 @@ def test_sigterm_while_the_database_is_away_mid_run_ends_within_the_grace(world,
     assert rc != 0 and took <= 15 + 5, f"exit {rc} {took:.1f} s after SIGTERM"
     assert "outcome(s) unrecorded" in exit_line(log), exit_line(log)
     _nothing_lost(world, total, tmp_path)
+
+
+async def test_a_rescued_lease_names_the_daemon_that_held_it_and_starts_when_its_lease_began(any_url):
+    from sqlalchemy import select
+
+    from outbox import store
+    from outbox.db import make_async_engine
+    from outbox.schema import attempts
+    from supervisor.cycle.maintenance import rescue_once
+
+    sync = make_engine(any_url)
+    enqueue_batch(sync, [("t1", "https://buyer.example.com/hook", message_key("rescued", i)) for i in range(3)])
+    engine = make_async_engine(any_url)
+    try:
+        async with engine.begin() as conn:
+            claimed = await store.claim(conn, limit=10, lease_seconds=0.5, horizon_seconds=86_400,
+                                        endpoint_concurrency=10, daemon_id="daemon-that-died")
+        assert len(claimed) == 3
+        time.sleep(0.8)
+        assert await rescue_once(engine, "rescuer", 0.5) == 3
+        with sync.connect() as conn:
+            rows = conn.execute(select(attempts.c.error, attempts.c.response_time_ms, attempts.c.occurred_at,
+                                       attempts.c.daemon_id)).all()
+    finally:
+        await engine.dispose()
+        sync.dispose()
+    assert len(rows) == 3
+    for error, elapsed_ms, occurred_at, daemon_id in rows:
+        assert error == "lease of daemon daemon-that-died expired; outcome unknown" and daemon_id == "rescuer"
+        started = occurred_at - elapsed_ms / 1000  # what webhook_activity gives as the attempt's fired_at
+        assert abs(started - claimed[0].claimed_at) < 0.05 and elapsed_ms >= 800, (started, claimed[0].claimed_at)

@@ -308,3 +308,66 @@ def test_activity_lists_a_queued_fire_as_pending_for_its_principal_only(engine, 
     assert (record["attempt"], record["status"], record["completed_at"], record["http_status_code"]) == (
         1, "pending", None, None)
     assert record["url"] == "http://127.0.0.1:9/h/redacted"
+
+
+def test_two_first_registrations_of_one_entry_at_once_agree(engine, cfg):
+    """Neither sees the other's uncommitted row: the second waits for the first and finds it,
+    as an unchanged re-send, instead of failing on the unique key."""
+    import threading
+
+    first = engine.connect()
+    transaction = first.begin()
+    outbox.register_subscriber(first, tenant_id="t1", account_id=ACCOUNT, notification_config=config("twin"),
+                               settings=cfg)
+    second: list = []
+    racer = threading.Thread(target=lambda: second.append(_attempt(register, engine, cfg, config("twin"))))
+    racer.start()
+    racer.join(0.5)
+    assert racer.is_alive(), "the second registration should wait for the first"
+    transaction.commit()
+    first.close()
+    racer.join(10)
+    [(record, error)] = second
+    assert error is None and record.subscriber_id == "twin" and record.state == "pending_proof", error
+    assert len([r for r in rows(engine, cfg) if r.notification_type == "webhook.challenge"]) == 1
+
+
+def _attempt(call, *args):
+    try:
+        return call(*args), None
+    except Exception as exc:  # the failure is the test's finding
+        return None, exc
+
+
+def test_no_replay_sends_a_fire_to_a_subscriber_removed_paused_or_moved(engine, cfg, capsys, monkeypatch):
+    url = engine.url.render_as_string(hide_password=False)
+    for sid in ("kept", "removed", "paused", "moved"):
+        register(engine, cfg, config(sid, url=f"http://127.0.0.1:9/{sid}"))
+    with engine.begin() as conn:  # as the daemon's completer records proofs that succeeded
+        conn.execute(subscribers.update().values(state="active", proven_sha256=subscribers.c.config_sha256))
+        outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, notification_type="account.status_changed",
+                             payload=STATUS_EVENT, settings=cfg)
+    fires = {json.loads(f.body)["subscriber_id"]: f.id
+             for f in rows(engine, cfg, messages.c.notification_type == "account.status_changed")}
+    with engine.begin() as conn:  # each fire ended before its subscriber changed: rejected, or delivered
+        conn.execute(messages.update().where(messages.c.id.in_(list(fires.values())))
+                     .values(state="dead", dead_reason="rejected", finished_at=db_now(), attempts=1))
+        conn.execute(messages.update().where(messages.c.id == fires["paused"]).values(state="delivered",
+                                                                                    dead_reason=None))
+        assert outbox.remove_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, subscriber_id="removed")
+    register(engine, cfg, config("paused", url="http://127.0.0.1:9/paused", active=False))
+    with engine.begin() as conn:  # moved, and its new URL proven
+        outbox.register_subscriber(conn, tenant_id="t1", account_id=ACCOUNT, settings=cfg,
+                                   notification_config=config("moved", url="http://127.0.0.1:9/elsewhere"))
+        conn.execute(subscribers.update().where(subscribers.c.subscriber_id == "moved")
+                     .values(state="active", proven_sha256=subscribers.c.config_sha256))
+    code, out, err = run_cli(capsys, monkeypatch, url, "replay", *map(str, sorted(fires.values())), "--json")
+    result = json.loads(out)
+    assert code == 1 and result["replayed"] == [fires["kept"]], (out, err)
+    assert {r["id"]: r["why"] for r in result["refused"]} == {
+        fires[sid]: "its subscriber was removed, paused or moved to another URL" for sid in ("removed", "paused", "moved")}
+    with engine.connect() as conn:
+        states = dict(conn.execute(select(messages.c.id, messages.c.state)
+                                   .where(messages.c.id.in_(list(fires.values())))).all())
+    assert states == {fires["kept"]: "pending", fires["removed"]: "dead", fires["paused"]: "delivered",
+                      fires["moved"]: "dead"}

@@ -43,15 +43,20 @@ DUE_VACUUM_DEAD_ROWS = 1_000  # dead rows a due table may hold before this daemo
 DUE_TRUNCATE_BYTES = 1 << 20
 
 
-async def rescue_once(engine: AsyncEngine, daemon_id: str) -> int:
+async def rescue_once(engine: AsyncEngine, daemon_id: str, lease_seconds: float) -> int:
+    """Hand back the leases that ran out, each recorded as an ``abandoned`` attempt from its
+    lease's start (so ``webhook_activity`` gives when that attempt fired) to now."""
     async with engine.begin() as conn:
         rows = await store.rescue_expired_leases(conn)
+        if not rows:
+            return 0
         now = await store.db_now(conn)
         await store.insert_attempts(conn, [
             DeliveryAttempt(
                 message_id=r.id, tenant_id=r.tenant_id, url=public_url(r.url), attempt_number=r.attempts,
                 outcome="abandoned", http_status_code=None,
-                error_message=f"lease of {r.leased_by} expired; outcome unknown"[:200], response_time_ms=None,
+                error_message=f"lease of daemon {r.leased_by} expired; outcome unknown"[:200],
+                response_time_ms=max(0, round((now - r.started_at(lease_seconds)) * 1000)),
                 will_retry=True, next_retry_at=now, payload_size_bytes=r.payload_size,
                 sequence_number=r.sequence_number, idempotency_key=r.idempotency_key,
                 notification_type=r.notification_type, trigger=r.trigger, daemon_id=daemon_id, occurred_at=now,
@@ -164,7 +169,7 @@ class Maintenance:
         ticks = 0
         while True:
             try:
-                rescued = await rescue_once(self._engine, self._daemon_id)
+                rescued = await rescue_once(self._engine, self._daemon_id, self._settings.lease_seconds)
                 if rescued:
                     self._metrics.lease_rescues.inc(rescued)
                     self._log.warning("leases.rescued", count=rescued)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, String, and_, delete, func, or_, select, true
+from sqlalchemy import Select, String, and_, delete, func, literal_column, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
@@ -210,14 +210,18 @@ def horizon_end(row: Any, horizon_seconds: int) -> float:
 
 async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_seconds: int) -> list[dict[str, Any]]:
     now = await store.db_now(conn)
-    rows = await conn.execute(select(*MESSAGE_COLUMNS).where(messages.c.id.in_(list(ids))).order_by(messages.c.id))
+    revoked = literal_column(store.SUBSCRIBER_REVOKED).label("subscriber_revoked")
+    rows = await conn.execute(select(*MESSAGE_COLUMNS, revoked).where(messages.c.id.in_(list(ids)))
+                              .order_by(messages.c.id))
     result = []
     for row in rows:
         item = _message(row)
         item["past_horizon"] = horizon_end(row, horizon_seconds) <= now
-        # A fire whose subscriber URL failed its proof, or whose subscriber was removed, is
-        # never sent there (docs/subscribers.md, docs/reporting.md).
-        item["replayable"] = row.state in ("dead", "delivered") and row.dead_reason not in ("proof_failed", "cancelled")
+        # A fire whose subscriber URL failed its proof, or whose subscriber was removed,
+        # paused or moved, is never sent there (docs/subscribers.md, docs/reporting.md).
+        item["subscriber_revoked"] = bool(row.subscriber_revoked)
+        item["replayable"] = (row.state in ("dead", "delivered") and not row.subscriber_revoked
+                              and row.dead_reason not in ("proof_failed", "cancelled"))
         result.append(item)
     return result
 

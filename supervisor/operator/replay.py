@@ -19,6 +19,7 @@ from supervisor.operator import ops
 
 CHUNK = 500  # messages per transaction: daemons start on each chunk as it commits
 CANCELLED_WHY = "it was cancelled (its subscriber removed, or a cancel job)"  # never sent again
+REVOKED_WHY = "its subscriber was removed, paused or moved to another URL"  # never sent there again
 
 
 @dataclass
@@ -62,6 +63,7 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
                                     "why": "past its retry horizon (use --force)" if c["replayable"] else
                                     "its subscriber URL failed its proof" if c["dead_reason"] == "proof_failed"
                                     else CANCELLED_WHY if c["dead_reason"] == "cancelled"
+                                    else REVOKED_WHY if c["subscriber_revoked"]
                                     else f"state is {c['state']}"} for c in candidates if c not in eligible])
     if dry_run:
         result.replayed = [c["id"] for c in eligible]
