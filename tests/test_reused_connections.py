@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 
+from supervisor.wire.http1 import STALE_WINDOW_SECONDS
 from tests.wire_peers import (BODY, HEADERS, IMPATIENT, Request, answers_garbage, hangs_up, loopback_settings,
                               never_answers, ok, resets, sends_half_a_body)
 from tests.wire_peers import connects, event_loop_policy, peers, senders  # noqa: F401 - pytest fixtures
@@ -81,3 +82,19 @@ async def test_the_retry_is_made_once(peers, senders) -> None:  # noqa: F811
     # the slot of the dropped connection was handed on, not leaked: the pool still opens connections
     assert (await sender.post(url, BODY, HEADERS)).error_kind == "connection_error"
     assert len(peer.requests) == 4
+
+
+async def test_a_reused_connection_dropped_long_after_the_request_is_the_attempts_failure(peers, senders) -> None:  # noqa: F811
+    """No idle close: the receiver held the request past the stale window, then dropped it. It
+    may have acted on it, so the failure is recorded (and retried after back-off), not resent."""
+    async def holds_then_drops(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(STALE_WINDOW_SECONDS + 0.3)
+        return False
+
+    peer = await peers(second_request_on_a_connection(holds_then_drops))
+    sender = senders()
+    url = f"http://127.0.0.1:{peer.port}/hook"
+    assert (await sender.post(url, BODY, HEADERS)).status == 200
+    result = await sender.post(url, BODY, HEADERS)
+    assert (result.status, result.error_kind) == (None, "connection_error")
+    assert len(peer.requests) == 2, "no second send"

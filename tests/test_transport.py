@@ -13,6 +13,7 @@ import datetime
 import ipaddress
 import socket
 import ssl
+import struct
 import time
 import tracemalloc
 
@@ -398,3 +399,44 @@ async def test_a_connection_handed_to_a_waiter_that_gave_up_goes_back_to_the_poo
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert entry.idle == [connection] and entry.opened == 1 and not entry.waiters
+
+
+def _answer_then_close(head: bytes, ending: str):  # type: ignore[no-untyped-def]
+    async def answer(request, reader, writer) -> bool:  # type: ignore[no-untyped-def]
+        writer.write(head + b'{"ok":true}')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        if ending == "reset":
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        return False
+    return answer
+
+
+@pytest.mark.parametrize(("head", "ending"), [
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n", "close"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "close"),
+    (b"HTTP/1.1 200 OK\r\n\r\n", "reset"),
+    (b"HTTP/1.0 200 OK\r\n\r\n", "close"),
+], ids=["identity-coding", "gzip-coding", "no-length-then-reset", "http-1.0"])
+async def test_a_body_the_close_delimits_is_the_whole_answer_however_the_connection_ends(
+        peers, senders, head, ending) -> None:
+    """RFC 9112 section 6.3: a response without a length or a final chunked coding runs to the close."""
+    peer = await peers(_answer_then_close(head, ending))
+    result = await senders().post(f"http://127.0.0.1:{peer.port}/hook", BODY, HEADERS)
+    assert (result.status, result.error_kind, result.error) == (200, None, None)
+    assert len(peer.requests) == 1
+
+
+async def test_a_tls_handshake_that_never_ends_is_named_so(senders) -> None:
+    """TCP connected, the handshake never answered: not the connect timeout a firewall gives."""
+    async def silent(reader, writer) -> None:  # type: ignore[no-untyped-def]
+        await reader.read()  # reads the ClientHello, answers nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        result = await senders(loopback_settings(**IMPATIENT)).post(f"https://127.0.0.1:{port}/hook", BODY, HEADERS)
+    finally:
+        server.close()
+    assert (result.error_kind, result.error) == ("timeout", "ConnectTimeout: TLS handshake timed out (connected)")

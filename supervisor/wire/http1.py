@@ -65,13 +65,19 @@ class TransportFailure(Exception):
 
 
 class StaleConnection(TransportFailure):
-    """A reused connection failed before any byte of a response: the peer had closed it.
+    """A reused connection failed before any byte of a response, right after the request
+    was written: the peer had closed it.
 
     A server may close an idle keep-alive connection at any moment, so a request written
-    as it closes fails without an answer (RFC 9112 section 9.3.1). Sending the same bytes
-    once more, on a new connection, is what common clients do and is safe here: receivers
-    dedupe by ``idempotency_key`` (docs/protocol.md "Idempotency").
+    as it closes fails without an answer (RFC 9112 section 9.3.1), within about a round trip.
+    Sending the same bytes once more, on a new connection, is what common clients do and is
+    safe here: receivers dedupe by ``idempotency_key`` (docs/protocol.md "Idempotency"). A
+    failure later than :data:`STALE_WINDOW_SECONDS` after the write is no idle close (the
+    receiver held the request): it is the attempt's, recorded and retried after back-off.
     """
+
+
+STALE_WINDOW_SECONDS = 1.0
 
 
 _CR_LF = (13, 10)
@@ -95,6 +101,7 @@ CLOSED_EARLY = TransportFailure("connection_error",
                                 "RemoteProtocolError: connection closed before the response was complete")
 READ_TIMEOUT = TransportFailure("timeout", "ReadTimeout: no response data within the read timeout")
 CONNECT_TIMEOUT = TransportFailure("timeout", "ConnectTimeout: connect timed out")
+HANDSHAKE_TIMEOUT = TransportFailure("timeout", "ConnectTimeout: TLS handshake timed out (connected)")
 TOO_LARGE = TransportFailure("protocol_error", "RemoteProtocolError: response head or framing too large")
 # What a response may cost in memory besides its capped body. The parser buffers a header
 # until it ends, so the bytes before the final response's body are counted as they arrive
@@ -228,7 +235,7 @@ class Http1Connection(asyncio.Protocol):
         self.closed = True
         if self._waiter is None or self._waiter.done():
             return
-        if exc is None and self._final and not self._framed:  # a body delimited by the close
+        if self._final and not self._framed:  # a body delimited by the close, however it closed
             self._finish(reusable=False)
         elif exc is None:
             self._fail(CLOSED_EARLY)
@@ -259,7 +266,11 @@ class Http1Connection(asyncio.Protocol):
         self._status = status
         self._kept = self._body_cap if 200 <= status <= 299 else min(ERROR_BODY_KEPT, self._body_cap)
         self._final = True
-        self._framed = "content-length" in self._headers or "transfer-encoding" in self._headers
+        # RFC 9112 section 6.3: a transfer coding ending in chunked frames the body; any other
+        # transfer coding (identity, gzip) is read until the close, whatever Content-Length says.
+        coding = self._headers.get("transfer-encoding")
+        self._framed = ("content-length" in self._headers if coding is None
+                        else coding.rsplit(",", 1)[-1].strip().lower() == "chunked")
 
     def on_body(self, body: bytes) -> None:
         if not self._final or self._waiter is None:
@@ -295,10 +306,12 @@ class Http1Connection(asyncio.Protocol):
         self._last_data = self._loop.time()
         self._timer = self._loop.call_later(read_timeout, self._check_silence)
         self._transport.write(data)
+        written = self._loop.time()
         try:
             return await waiter
         except TransportFailure as failure:
-            if reused and self._received == 0 and failure.kind == "connection_error":
+            if reused and self._received == 0 and failure.kind == "connection_error" \
+                    and self._loop.time() - written < STALE_WINDOW_SECONDS:
                 raise StaleConnection(failure.kind, failure.error) from None
             raise
         finally:
@@ -368,7 +381,7 @@ async def connect(address: str, port: int, *, ssl_context: ssl.SSLContext | None
         return connection
     except TimeoutError:
         sock.close()
-        raise CONNECT_TIMEOUT from None
+        raise (HANDSHAKE_TIMEOUT if handshaking else CONNECT_TIMEOUT) from None
     except (OSError, ssl.SSLError) as exc:  # SSLError is an OSError; named for the reader
         sock.close()
         if not handshaking:
