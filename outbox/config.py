@@ -199,6 +199,11 @@ class Settings:
         if not _DATABASE_URL.match(self.database_url):  # the scheme only: the rest may hold a password
             raise ConfigurationError("OUTBOX_DATABASE_URL must be a postgresql:// or sqlite:/// URL, got one "
                                      f"starting {self.database_url.partition('://')[0][:20]!r}")
+        if self.encryption_old_keys and self.encryption_key is None:  # they would be ignored: sealed rows held
+            raise ConfigurationError(
+                "OUTBOX_ENCRYPTION_OLD_KEYS is set without OUTBOX_ENCRYPTION_KEY: old keys only open what they "
+                "sealed, so set OUTBOX_ENCRYPTION_KEY to the key that seals (the newest; `outboxd encryption "
+                "generate` makes one) and keep the others in OUTBOX_ENCRYPTION_OLD_KEYS (docs/encryption.md)")
         if self.database_pooler not in POOLER_MODES:
             raise ConfigurationError(
                 f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r} (a pooler in "

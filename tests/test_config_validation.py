@@ -168,3 +168,15 @@ def test_json_logs_carry_the_traceback_without_locals() -> None:
     assert exc["exc_type"] == "RuntimeError" and exc["exc_value"] == "boom"
     assert [f["name"] for f in exc["frames"]][-1] == "deep"
     assert "hunter2-credential" not in done.stderr  # frame locals are never rendered
+
+
+def test_old_encryption_keys_without_a_sealing_key_are_refused_not_ignored() -> None:
+    import base64
+
+    old = base64.b64encode(b"k" * 32).decode()
+    with pytest.raises(ConfigurationError) as caught:
+        load_settings(env={"OUTBOX_ENCRYPTION_OLD_KEYS": old})
+    message = str(caught.value)
+    assert message.startswith("OUTBOX_ENCRYPTION_OLD_KEYS is set without OUTBOX_ENCRYPTION_KEY") and old not in message
+    assert load_settings(env={"OUTBOX_ENCRYPTION_KEY": base64.b64encode(b"n" * 32).decode(),
+                              "OUTBOX_ENCRYPTION_OLD_KEYS": old}).encryption_old_keys == (b"k" * 32,)

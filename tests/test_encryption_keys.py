@@ -9,7 +9,7 @@ import os
 from sqlalchemy import event, update
 
 import outbox
-from outbox.keyset import adopt, forget, read_ledger, report, sealer
+from outbox.keyset import adopt, forget, read_ledger, report, sealer, stop_reporting
 from outbox.schema import attempts, encryption_readers
 from outbox.sealing import sealing_keys
 
@@ -84,3 +84,94 @@ def test_an_enqueue_pays_no_round_trip_for_the_agreement(engine):
         enqueue(n)
     assert not [s for s in statements if "outbox_encryption" in s]
     assert len([s for s in statements if s.lstrip().upper().startswith("INSERT")]) == 20
+
+
+def _seen_at(engine, reader_id: str) -> float:
+    from sqlalchemy import select
+
+    with engine.connect() as conn:
+        return conn.execute(select(encryption_readers.c.seen_at)
+                            .where(encryption_readers.c.reader_id == reader_id)).scalar_one()
+
+
+async def test_a_daemon_keeps_reporting_while_a_long_re_seal_pass_waits(pg_engine, pg_url, monkeypatch):
+    """A pass over a large table takes minutes; a daemon that stopped reporting meanwhile would
+    drop out of the live readers, and a key it cannot open could be agreed. The pass here waits
+    on a table lock; the reports must go on beside it."""
+    import asyncio
+
+    import psycopg
+
+    from outbox.db import libpq_url, make_async_engine
+    from supervisor.cycle import resealer as resealer_module
+    from supervisor.cycle.outage import OutageGuard
+    from supervisor.observe.metrics import Metrics
+
+    with pg_engine.begin() as conn:  # plaintext rows: the agreed key's pass seals them
+        for n in range(5):
+            outbox.enqueue(conn, tenant_id="t", url="https://buyer.example.com/hook", payload={"n": n})
+    settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": pg_url,
+                                         "OUTBOX_ENCRYPTION_KEY": base64.b64encode(key()).decode()})
+    monkeypatch.setattr(resealer_module, "REFRESH_SECONDS", 0.2)  # the pace, not what is under test
+    engine = make_async_engine(pg_url)
+    resealer = resealer_module.Resealer(engine, settings, reader_id="d1", outage=OutageGuard(30), metrics=Metrics())
+    locker = await psycopg.AsyncConnection.connect(libpq_url(pg_url))
+    try:
+        await resealer.tick()
+        assert resealer.agreed == settings.sealing().active_id
+        await locker.execute("LOCK TABLE outbox_messages IN EXCLUSIVE MODE")  # the pass waits behind it
+        running = asyncio.create_task(resealer.run())
+        seen = []
+        for _ in range(8):
+            await asyncio.sleep(0.25)
+            seen.append(_seen_at(pg_engine, "d1"))
+        await locker.rollback()
+        for _ in range(40):  # the pass goes on once the lock is gone
+            if resealer._resealed_under == resealer.agreed:
+                break
+            await asyncio.sleep(0.1)
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    finally:
+        await locker.close()
+        await engine.dispose()
+    assert len(set(seen)) >= 4, seen
+    assert resealer._resealed_under == resealer.agreed
+
+
+async def test_a_daemon_without_the_agreed_key_leaves_claims_to_one_that_has_it(engine, monkeypatch):
+    from sqlalchemy import func, select
+
+    from outbox.db import make_async_engine
+    from outbox.schema import messages
+    from supervisor.cycle.outage import OutageGuard
+    from supervisor.cycle.resealer import Resealer
+    from supervisor.observe.metrics import Metrics
+
+    old, new = key(), key()
+    url = engine.url.render_as_string(hide_password=False)
+    settle(engine, "current", sealing_keys(old))
+    rotated = sealing_keys(new, (old,))
+    stale = outbox.load_settings(env={"OUTBOX_DATABASE_URL": url,
+                                      "OUTBOX_ENCRYPTION_KEY": base64.b64encode(old).decode()})
+    with engine.begin() as conn:  # sealed under the old key, still to move onto the new one
+        outbox.enqueue(conn, tenant_id="t", url="https://buyer.example.com/hook", payload={"n": 1}, settings=stale)
+    stop_reporting(engine)  # the producer is done: it no longer holds the rotation back
+    assert settle(engine, "current", rotated)[0] == rotated.active_id  # every live process opens the new key
+    metrics = Metrics()
+    async_engine = make_async_engine(url)
+    resealer = Resealer(async_engine, stale, reader_id="stale", outage=OutageGuard(30), metrics=metrics)
+    try:
+        await resealer.tick()
+        assert resealer.agreed == rotated.active_id
+        assert resealer.yielding is not None and rotated.active_id in resealer.yielding and "current" in resealer.yielding
+        # the rotation's progress is the rows not under the agreed key, whichever key this daemon has
+        with engine.connect() as conn:
+            left = conn.execute(select(func.count()).where(messages.c.body_key_id != rotated.active_id)).scalar_one()
+        assert left == 1 and metrics.reseal_backlog._value.get() == left
+        with engine.begin() as conn:  # the daemon with the key stops: the stale one is all there is
+            forget(conn, "current")
+        await resealer.tick()
+        assert resealer.yielding is None
+    finally:
+        await async_engine.dispose()

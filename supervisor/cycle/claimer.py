@@ -50,8 +50,11 @@ LEASE_ROUNDS = 2  # leases per origin (and in all) per round of requests: one ru
 class Claimer:
     def __init__(self, engine: AsyncEngine, *, settings: Settings, daemon_id: str, metrics: Metrics,
                  attempt: Attempt, submit: Callable[[Outcome], None], outage: OutageGuard,
-                 backlog: Callable[[], int] = lambda: 0) -> None:
+                 backlog: Callable[[], int] = lambda: 0, yielding: Callable[[], object] = lambda: None) -> None:
         self._engine = engine
+        # Truthy while this daemon leaves claims to others (supervisor/cycle/resealer.py:
+        # it lacks the agreed encryption key and a live daemon has it).
+        self._yielding = yielding
         # PostgreSQL: single statements in autocommit on the claimer's own driver connection
         # (supervisor/cycle/pgdirect.py). SQLite keeps its BEGIN IMMEDIATE transactions.
         self._direct = DirectConnection.of(engine, settings)
@@ -134,6 +137,9 @@ class Claimer:
             self._starved = free <= 0
             if self._starved:  # full, or the completer is behind: look again when either moves
                 await self._sleep(BACKLOG_RECHECK_SECONDS)
+                continue
+            if self._yielding():
+                await self._sleep(self._settings.poll_interval_seconds)
                 continue
             limit = min(free, self._settings.claim_batch)
             timeout = self._settings.poll_interval_seconds

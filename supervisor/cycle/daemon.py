@@ -129,7 +129,7 @@ class Daemon:
         self.claimer = Claimer(self.engine, settings=settings, daemon_id=self.daemon_id, metrics=self.metrics,
                                attempt=self._attempt(),
                                submit=self.completer.submit, outage=self.outage,
-                               backlog=lambda: self.completer.backlog)
+                               backlog=lambda: self.completer.backlog, yielding=lambda: self.resealer.yielding)
         self.resealer = Resealer(self.engine, settings, reader_id=self.daemon_id, outage=self.outage,
                                  metrics=self.metrics)
         self.health = HealthServer(self.metrics, self._problem, self.keys.documents(),
@@ -143,10 +143,10 @@ class Daemon:
             self.metrics.signing_active_keys.labels(scope=scope).set(count)
 
     async def _problem(self) -> str | None:
-        """Why ``/readyz`` must fail now: an activity that keeps failing, the schema, or messages
-        held for an encryption key this process lacks."""
+        """Why ``/readyz`` must fail now: an activity that keeps failing, the schema, messages
+        held for an encryption key this process lacks, or deliveries left to daemons that have it."""
         return (self.outage.problem() or (await _schema_check(self.engine, READY_CHECK_SECONDS)).problem()
-                or held_line(self.resealer.unopenable))
+                or held_line(self.resealer.unopenable) or self.resealer.yielding)
 
     def _attempt(self) -> Callable[[Claimed], Awaitable[Outcome]]:
         """One attempt of a claimed message; inside its span when tracing is on (supervisor/observe/tracing.py)."""

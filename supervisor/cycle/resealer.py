@@ -14,6 +14,7 @@ count is a gauge, a ``/readyz`` line and an error log line naming the fix.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import structlog
 from sqlalchemy import func, select
@@ -27,18 +28,22 @@ from outbox.sealing import SealingKeys
 from supervisor.observe.metrics import Metrics
 from supervisor.cycle.outage import OutageGuard
 
-IDLE_SECONDS = 10.0
+IDLE_SECONDS = 10.0  # between passes while nothing is left to re-seal
 BATCH = 200
 BACKLOG_COUNT_LIMIT = 100_000  # the gauge counts the rows left to re-seal up to this many
+REPORTING = "report encryption keys"
+RESEALING = "re-seal stored values"
 FIX = ("add the key that sealed them to OUTBOX_ENCRYPTION_OLD_KEYS (or OUTBOX_ENCRYPTION_KEY) and restart; "
        "`outboxd encryption status` names it (docs/encryption.md)")
 
 
-async def reseal_all(engine: AsyncEngine, keys: SealingKeys, *, batch: int = BATCH) -> tuple[int, list[int]]:
+async def reseal_all(engine: AsyncEngine, keys: SealingKeys, *, batch: int = BATCH,
+                     still: Callable[[], bool] = lambda: True) -> tuple[int, list[int]]:
     """One pass over every sealed value: re-seal what is not under ``keys``' active key;
-    (count, ids of messages and subscribers that do not open here)."""
+    (count, ids of messages and subscribers that do not open here). The pass ends early
+    once ``still()`` is false between batches (another key was agreed meanwhile)."""
     total, failed, after = 0, [], 0
-    while True:
+    while still():
         async with engine.begin() as conn:
             done, last, bad = await reseal_batch(conn, keys, after_id=after, limit=batch)
         total += done
@@ -73,6 +78,7 @@ class Resealer:
         self._resealed_under: str | None = None
         self._failed: list[int] = []
         self._backlog = False
+        self.yielding: str | None = None  # why this daemon leaves claims to others (it lacks the agreed key)
 
     @property
     def sealing(self) -> SealingKeys | None:
@@ -87,14 +93,15 @@ class Resealer:
                                                           keys=self._keys, unopenable=self.unopenable))
             adopted = await conn.run_sync(lambda c: adopt(c, ledger))
             unopenable = await unopenable_rows(conn, self._keys)
-            keys = sealer(self._keys, adopted or ledger.sealing_key_id)
+            agreed = adopted or ledger.sealing_key_id
             to_reseal = 0
-            if keys is not None and (adopted or ledger.sealing_key_id):
-                left = select(messages.c.id).where(not_under(keys.active_id)).limit(BACKLOG_COUNT_LIMIT).subquery()
+            if agreed is not None:  # the rotation's progress, whether or not this daemon can help it
+                left = select(messages.c.id).where(not_under(agreed)).limit(BACKLOG_COUNT_LIMIT).subquery()
                 to_reseal = int(await conn.scalar(select(func.count()).select_from(left)) or 0)
         if adopted:
             self._log.info("encryption.key_agreed", key_id=adopted)
-        self.agreed = adopted or ledger.sealing_key_id
+        self.agreed = agreed
+        self._yield_unless_alone(ledger)
         if unopenable and unopenable != self.unopenable:
             self._log.error("encryption.rows_unopenable", count=unopenable, known_key_ids=list(
                 self._keys.ids) if self._keys else [], fix=FIX)
@@ -106,31 +113,67 @@ class Resealer:
         self._metrics.rotation_waiting.set(len(ledger.lacking(candidate)) if candidate else 0)
         return ledger
 
+    def _yield_unless_alone(self, ledger: Ledger) -> None:
+        """Leave claims to the daemons that open the agreed key, when this one lacks it (a
+        stale configuration) and another live daemon has it: claiming, this idle daemon would
+        win most due messages only to hold them again, while a daemon that can send them waits."""
+        agreed = self.agreed
+        lacks = agreed is not None and (self._keys is None or not self._keys.can_open(agreed))
+        others = sorted(r.reader_id for r in ledger.live() if lacks and r.role == "daemon"
+                        and r.reader_id != self._reader_id and agreed in r.key_ids)
+        why = (f"this process lacks the agreed encryption key {agreed}: it leaves deliveries to the daemons that "
+               f"open it ({', '.join(others[:3])}); {FIX}") if others else None
+        if why is not None and self.yielding is None:
+            self._log.error("encryption.claims_yielded", key_id=agreed, daemons=others, fix=FIX)
+        elif why is None and self.yielding is not None:
+            self._log.info("encryption.claims_resumed")
+        self.yielding = why
+
     async def pass_once(self) -> None:
         keys = self.sealing
         if keys is None:
             return
-        count, failed = await reseal_all(self._engine, keys)
-        self._resealed_under = keys.active_id
+        count, failed = await reseal_all(self._engine, keys, still=lambda: self.agreed == keys.active_id)
         if count:
             self._log.info("bodies.resealed", count=count, key_id=keys.active_id)
             self._metrics.bodies_resealed.inc(count)
+        if self.agreed != keys.active_id:  # cut short by a new agreement: the next pass starts over
+            return
+        self._resealed_under = keys.active_id
         if failed != self._failed:
             self._log.warning("bodies.unopenable", count=len(failed), ids=failed[:20], fix=FIX)
             self._failed = failed
 
     async def run(self) -> None:
+        """Report every ``REFRESH_SECONDS`` and re-seal beside it: a pass over a large table
+        takes minutes, and a daemon that stopped reporting meanwhile would drop out of the
+        live readers, so a rotation could be agreed on a key it cannot open."""
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._report_forever())
+            group.create_task(self._reseal_forever())
+
+    async def _guarded(self, doing: str, work: Callable[[], Awaitable[object]]) -> bool:
+        """``work()`` under the outage guard (which waits before a retry): whether it succeeded."""
+        try:
+            await work()
+        except Exception as exc:
+            await self._outage.failed(doing, exc)
+            return False
+        self._outage.ok(doing)
+        return True
+
+    async def _report_forever(self) -> None:
+        while True:
+            if await self._guarded(REPORTING, self.tick):
+                await asyncio.sleep(REFRESH_SECONDS)
+
+    async def _reseal_forever(self) -> None:
         since_pass = IDLE_SECONDS
         while True:
-            try:
-                await self.tick()
-                if since_pass >= IDLE_SECONDS or self.agreed != self._resealed_under or self._backlog:
-                    await self.pass_once()
-                    since_pass = 0.0
-                self._outage.ok("re-seal and report encryption keys")
-            except Exception as exc:
-                await self._outage.failed("re-seal and report encryption keys", exc)
-                continue
+            if since_pass >= IDLE_SECONDS or self.agreed != self._resealed_under or self._backlog:
+                if not await self._guarded(RESEALING, self.pass_once):
+                    continue
+                since_pass = 0.0
             await asyncio.sleep(REFRESH_SECONDS)
             since_pass += REFRESH_SECONDS
 
