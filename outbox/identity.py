@@ -249,3 +249,19 @@ def stream_key(tenant_id: str, *parts: str) -> str:
     stream)`` builds the same string for plain-SQL producers.
     """
     return "".join(f"{len(part)}:{part}" for part in (tenant_id, *parts))
+
+
+def is_stream_key(text: str) -> bool:
+    """Whether ``text`` is a whole :func:`stream_key` encoding (length-prefixed parts, nothing
+    left over): such a text is a scoped stream's own key, never a key from before streams
+    were scoped, so no stream may be seeded from a counter stored under it."""
+    at = 0
+    while at < len(text):
+        colon = text.find(":", at)
+        length = text[at:colon]
+        if colon <= at or not (length.isascii() and length.isdigit()):
+            return False
+        at = colon + 1 + int(length)
+        if at > len(text):
+            return False
+    return at > 0

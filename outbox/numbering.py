@@ -69,7 +69,7 @@ def with_number(body: bytes, number: int) -> bytes:
     return _head(body) + str(number).encode() + _CLOSE
 
 
-def next_sequence(connection: Connection, key: str, legacy_key: str) -> int:
+def next_sequence(connection: Connection, key: str, legacy_key: str | None) -> int:
     """Allocate the stream's next number in the caller's transaction (row lock held to commit)."""
     return int(connection.execute(_NEXT_SEQUENCE, {"stream_key": key, "legacy_key": legacy_key}).scalar_one())
 
@@ -80,7 +80,7 @@ def give_back(connection: Connection, key: str, number: int) -> None:
 
 
 def store_numbered(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None, *,
-                   stream: str, legacy_stream: str, replay: bool) -> EnqueuedMessage:
+                   stream: str, legacy_stream: str | None, replay: bool) -> EnqueuedMessage:
     """Store a rendered report ``row`` (body ending in the placeholder) under its stream's next number.
 
     ``replay``: the caller chose the key, so a stored twin may exist and is returned (or
@@ -105,7 +105,7 @@ def store_numbered(connection: Connection, row: Mapping[str, Any], keys: Sealing
 
 
 def _in_one_statement(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None,
-                      stream: str, legacy_stream: str) -> EnqueuedMessage | None:
+                      stream: str, legacy_stream: str | None) -> EnqueuedMessage | None:
     """The report stored, or its stored twin; ``None`` when the key was taken but its row is gone."""
     # The body and its digest are made by the statement: no digest of the placeholder's body.
     stored = stored_values(connection, {**row, "body": b""}, keys)

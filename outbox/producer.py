@@ -29,6 +29,7 @@ from outbox.identity import (
     binding_material,
     decode_body,
     store_bound,
+    is_stream_key,
     stream_key as scoped_stream_key,
 )
 from outbox.keyset import producer_keys
@@ -300,7 +301,10 @@ def enqueue_delivery_report(
     envelope["result"] = report
     stream = scoped_stream_key(tenant, stream_key) if stream_key else scoped_stream_key(tenant, media_buy_id,
                                                                                         registration.url)
-    legacy_stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"  # the pre-0002 key
+    # The pre-0002 key, whose counter a new stream continues; never another tenant's scoped key
+    # (a stream_key spelled like one would otherwise continue that tenant's numbers).
+    legacy_stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"
+    legacy_stream = None if is_stream_key(legacy_stream) else legacy_stream
     columns = {"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE, "task_status": "completed",
                "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon,
                **_attribution(media_buy_id=media_buy_id, principal_id=owner)}

@@ -6,6 +6,7 @@ Every test runs against real PostgreSQL and a real SQLite file (the ``engine`` f
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -17,7 +18,7 @@ from sqlalchemy import func, inspect, select, text
 import outbox
 from outbox.sealing import plaintext
 from outbox.db import make_async_engine, make_engine
-from outbox.identity import stream_key
+from outbox.identity import is_stream_key, stream_key
 from outbox.migrate import alembic_config, current_revision, upgrade
 from outbox.schema import messages, sequences
 from supervisor.sdk import OutboxWebhookSupervisor
@@ -245,3 +246,29 @@ def test_plain_sql_sequence_function_uses_the_python_stream_key(pg_engine, tenan
         number = conn.execute(text("SELECT outbox_next_sequence(:t, :s)"), {"t": tenant, "s": stream}).scalar_one()
         stored = conn.execute(select(sequences.c.stream_key)).scalars().all()
     assert number == 1 and stored == [stream_key(tenant, stream)]
+
+
+def test_a_stream_key_spelled_like_another_tenants_never_continues_its_numbers(engine, report_settings):
+    """Only a key from before streams were scoped seeds a new stream: a stream_key that is
+    itself a scoped key (another tenant's) starts at 1, and shows nothing of that tenant."""
+    with engine.begin() as conn:
+        assert [_report(conn, report_settings, tenant_id="A", stream_key="s").sequence_number
+                for _ in range(5)] == [1, 2, 3, 4, 5]
+    with engine.begin() as conn:
+        assert _report(conn, report_settings, tenant_id="B", stream_key=stream_key("A", "s")).sequence_number == 1
+
+
+@given(st.lists(st.text(max_size=8), min_size=1, max_size=4), st.text(max_size=12))
+def test_only_whole_stream_key_encodings_are_recognised(parts, other):
+    assert is_stream_key(stream_key(*parts))
+    assert is_stream_key(other) == (other != "" and _parses(other))
+
+
+def _parses(text: str) -> bool:
+    """A slower, obviously right reading of the encoding: a length, a colon, that many characters."""
+    match = re.match(r"([0-9]+):", text)
+    if match is None or not match.group(1).isascii():
+        return False
+    rest = text[match.end():]
+    n = int(match.group(1))
+    return len(rest) >= n and (len(rest) == n or _parses(rest[n:]))
