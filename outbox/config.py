@@ -206,8 +206,9 @@ class Settings:
                 "generate` makes one) and keep the others in OUTBOX_ENCRYPTION_OLD_KEYS (docs/encryption.md)")
         if self.database_pooler not in POOLER_MODES:
             raise ConfigurationError(
-                f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r} (a pooler in "
-                "session mode is none: each client keeps its server connection)")
+                f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r} (behind "
+                "PgBouncer in any pool mode, transaction; behind a session pooler that passes libpq's options "
+                "through, none)")
         if self.listen_database_url is not None and not self.listen_database_url.startswith("postgresql"):
             raise ConfigurationError("OUTBOX_LISTEN_DATABASE_URL must be a postgresql:// URL (a direct connection "
                                      "for LISTEN)")

@@ -190,11 +190,16 @@ def test_a_pooler_that_drops_the_startup_options_fails_readiness_at_once(pg_serv
     """A pooler that ignores the ``options`` startup parameter (a common setting) would let
     daemons started without OUTBOX_DATABASE_POOLER run on prepared statements that a pooled
     server connection may not hold; identical daemons can even find each other's twins and
-    run for a long while. Each daemon reads its server-side timeout back on every new
-    connection, so it says so on its first one. PgBouncer otherwise at its defaults, and two
-    daemons, as an operator would run them."""
+    run for a long while. Each daemon reads a setting of its own back on every new
+    connection, so it says so on its first one, even where the server's own statement_timeout
+    is the very timeout the daemon's options would set. PgBouncer otherwise at its defaults,
+    and two daemons, as an operator would run them."""
+    import psycopg
+
     key, _ = procs.make_key(tmp_path)
     outage = 10
+    with psycopg.connect(pg_server_url, autocommit=True) as conn:  # a DBA's setting, equal to the daemon's
+        conn.execute(f'ALTER DATABASE "{make_url(fresh_db).database}" SET statement_timeout = \'{outage}s\'')
     with pgbouncer(pg_server_url, ignore_startup_parameters="options") as bouncer:
         pooled = bouncer.url(fresh_db)
         ports = [free_port(), free_port()]

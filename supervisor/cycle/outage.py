@@ -34,8 +34,8 @@ _PREPARED_STATES = frozenset({"26000", "42P05"})
 _SHUTDOWN_STATES = frozenset({"57P01", "57P02", "57P03"})
 POOLER_HINT = ("prepared statements through a transaction pooler; set OUTBOX_DATABASE_POOLER=transaction "
                "(docs/pooler.md)")
-STARTUP_HINT = ("a transaction pooler refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
-                "(docs/pooler.md)")
+STARTUP_HINT = ("a connection pooler refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
+                "(PgBouncer refuses them in any pool mode; docs/pooler.md)")
 DROPPED_HINT = ("a connection pooler dropped the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction "
                 "(docs/pooler.md)")
 

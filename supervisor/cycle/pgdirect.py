@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import secrets
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -59,8 +60,13 @@ class StartupOptionsIgnored(Exception):
     a pooled connection the daemon was not told about (docs/pooler.md)."""
 
 
-# What a connection without a pooler reads back of its ``options``: the server-side timeout.
-STARTUP_CHECK = "SELECT setting FROM pg_settings WHERE name = 'statement_timeout'"
+# What a connection without a pooler reads back of its ``options``: a setting of outboxd's
+# own, holding a value drawn at random by this process, which no server default, database
+# setting or other client can have given the connection (a server whose statement_timeout
+# happened to equal the daemon's would pass a check of that timeout without the options).
+STARTUP_CHECK_SETTING = "outboxd.startup_check"
+STARTUP_CHECK = f"SELECT current_setting('{STARTUP_CHECK_SETTING}', true)"
+_STARTUP_NONCE = secrets.token_hex(8)
 
 
 def startup_options(settings: Settings) -> dict[str, Any]:
@@ -76,18 +82,19 @@ def startup_options(settings: Settings) -> dict[str, Any]:
     if settings.database_pooler != "none":
         return {}
     idle_ms = int(settings.database_statement_timeout_seconds * 1000)
-    return {"options": f"-c statement_timeout={_timeout_ms(settings)} -c idle_in_transaction_session_timeout={idle_ms}"}
+    return {"options": f"-c statement_timeout={_timeout_ms(settings)} -c idle_in_transaction_session_timeout={idle_ms}"
+                       f" -c {STARTUP_CHECK_SETTING}={_STARTUP_NONCE}"}
 
 
 def check_startup_options(setting: str | None, settings: Settings) -> None:
     """Raise :class:`StartupOptionsIgnored` unless ``setting``, what :data:`STARTUP_CHECK`
-    read on a new connection, is the timeout :func:`startup_options` sent. Checked on every
+    read on a new connection, is the value :func:`startup_options` sent. Checked on every
     new connection: a pooler that drops the options would otherwise go unnoticed until two
     of the daemon's prepared statements met on the wrong server connection, which identical
     daemons may not do for a long while."""
-    if setting != str(_timeout_ms(settings)):
-        raise StartupOptionsIgnored(f"statement_timeout is {setting}, not the {_timeout_ms(settings)} ms the "
-                                    "connection's startup options set")
+    if setting != _STARTUP_NONCE:
+        raise StartupOptionsIgnored(f"{STARTUP_CHECK_SETTING} is {setting or 'unset'}: the connection's startup "
+                                    "options (its statement timeouts among them) did not reach PostgreSQL")
 
 
 def check_each_connection(engine: AsyncEngine, settings: Settings) -> None:
