@@ -180,3 +180,26 @@ def test_old_encryption_keys_without_a_sealing_key_are_refused_not_ignored() -> 
     assert message.startswith("OUTBOX_ENCRYPTION_OLD_KEYS is set without OUTBOX_ENCRYPTION_KEY") and old not in message
     assert load_settings(env={"OUTBOX_ENCRYPTION_KEY": base64.b64encode(b"n" * 32).decode(),
                               "OUTBOX_ENCRYPTION_OLD_KEYS": old}).encryption_old_keys == (b"k" * 32,)
+
+
+def test_a_librarys_standard_logging_comes_out_as_json_lines_too() -> None:
+    """psycopg and asyncio log through the standard library: in a JSON log their lines must be
+    JSON too (with the logger's name), or a log shipper reading JSON drops or mangles them."""
+    script = (
+        "import logging\n"
+        "from supervisor.observe.logs import configure_logging\n"
+        "configure_logging('json')\n"
+        "logging.getLogger('psycopg').warning('query not terminated after cancellation: closing connection')\n"
+        "try:\n"
+        "    raise ValueError('inner')\n"
+        "except ValueError:\n"
+        "    logging.getLogger('asyncio').exception('Task exception was never retrieved')\n"
+        "logging.getLogger('psycopg').info('below the level: not written')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    lines = [json.loads(line) for line in done.stderr.strip().splitlines()]
+    assert [(x["logger"], x["level"], x["event"]) for x in lines] == [
+        ("psycopg", "warning", "query not terminated after cancellation: closing connection"),
+        ("asyncio", "error", "Task exception was never retrieved")]
+    assert lines[1]["exception"][0]["exc_value"] == "inner" and "timestamp" in lines[0]

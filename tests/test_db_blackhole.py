@@ -89,6 +89,34 @@ def test_a_black_holed_database_trips_the_outage_guard_within_its_bound(pg_engin
         assert summary["delivered"] == 10, summary
 
 
+def test_an_outage_past_its_bound_names_every_answer_it_could_not_record(pg_engine, pg_url, tmp_path):
+    """Requests answered while the database black-holes leave no attempt row: the daemon that
+    exits past its outage bound logs each of them (``outcome.unrecorded``) and says how many
+    in its last line, so the receivers' answers are on record somewhere; each message is sent
+    again once its lease runs out, as after a crash."""
+    key, jwks = procs.make_key(tmp_path)
+    timeout, outage, total = 2, 5, 6
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, arrivals_log), \
+            stalling_proxy(pg_url) as (proxy, proxied):
+        env = procs.daemon_env(proxied, key, database_statement_timeout_seconds=timeout,
+                               database_outage_seconds=outage)
+        log = tmp_path / "through-proxy.log"
+        daemon = procs.start_daemon(env, log)
+        try:
+            enqueue_batch(pg_engine, [("t1", f"http://127.0.0.1:{port}/delay/1500", message_key("bhu", i))
+                                      for i in range(total)])
+            assert procs.wait_until(lambda: states(pg_engine)["in_flight"] == total, 30), daemon_events(log)[-3:]
+            proxy.stall()  # the requests are under way: their answers come while nothing can be recorded
+            assert daemon.wait(timeout + 10 + outage + 40) != 0
+        finally:
+            procs.stop(daemon)
+        answered = {a["key"] for a in procs.arrivals(arrivals_log)}
+        unrecorded = [e for e in daemon_events(log) if e.get("event") == "outcome.unrecorded"]
+        assert answered and {e["idempotency_key"] for e in unrecorded} == answered, (answered, unrecorded)
+        assert all(e["outcome"] == "success" and e["http_status"] == 200 for e in unrecorded), unrecorded
+        assert f"stopped with {len(unrecorded)} outcome(s) unrecorded" in exit_line(log), exit_line(log)
+
+
 def test_sigterm_while_the_database_black_holes_ends_before_the_manifests_kill(pg_engine, pg_url, tmp_path):
     """Every setting at its default (statement timeout and shutdown grace 15 s): told to stop
     while the database has stopped answering without closing anything, the daemon exits 1,

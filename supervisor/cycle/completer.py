@@ -113,7 +113,7 @@ class Completer:
         # Outcomes run() has taken off the queue but not yet recorded, and the lock run()
         # holds while it records them: drain() must neither miss nor race that batch.
         self._taken: list[Outcome] = []
-        self._recording = 0  # outcomes in the flush under way
+        self._recording: Sequence[Outcome] = ()  # the outcomes of the flush under way
         self._flushing = asyncio.Lock()
         # Unrecorded outcomes hold leases the claimer counts against its budget: a round of
         # them is worth a flush at once rather than at the end of the interval.
@@ -126,7 +126,7 @@ class Completer:
     @property
     def backlog(self) -> int:
         """Outcomes not yet recorded (each still holds its message's lease)."""
-        return self._queue.qsize() + len(self._taken) + self._recording
+        return self._queue.qsize() + len(self._taken) + len(self._recording)
 
     async def run(self) -> None:
         """Flush forever; cancelled by the daemon after :meth:`drain`."""
@@ -150,11 +150,9 @@ class Completer:
                 self._take_queued(self._taken, FLUSH_MAX)
                 batch, self._taken = self._taken, []
                 if batch:  # empty when drain() took it while we waited for the lock
-                    self._recording = len(batch)
-                    try:
-                        await self._flush_until_done(batch)
-                    finally:
-                        self._recording = 0
+                    self._recording = batch  # kept if the flush never ends: give_up() reports it
+                    await self._flush_until_done(batch)
+                    self._recording = ()
 
     async def drain(self) -> None:
         """Flush everything not yet recorded (shutdown), including a batch run() is recording.
@@ -166,7 +164,24 @@ class Completer:
             batch, self._taken = self._taken, []
             self._take_queued(batch)
             if batch:
+                self._recording = batch  # what give_up() reports if the flush never ends
                 await self._flush_until_done(batch)
+                self._recording = ()
+
+    def give_up(self) -> int:
+        """At exit, with the database away: one ``outcome.unrecorded`` line for each outcome
+        never recorded (a request a receiver may have answered leaves no attempt row, so the
+        log is its only record), and how many. Each message keeps its lease and is sent again
+        once the lease runs out, as after a crash."""
+        left = [*self._recording, *self._taken]
+        self._take_queued(left)
+        self._recording, self._taken = (), []
+        for o in left:
+            m = o.message
+            self._log.error("outcome.unrecorded", message_id=m.id, tenant_id=m.tenant_id,
+                            idempotency_key=m.idempotency_key, attempt=m.attempt, outcome=o.outcome,
+                            http_status=o.http_status, sent=o.sent, retry="after the lease expires")
+        return len(left)
 
     def _take_queued(self, batch: list[Outcome], limit: int | None = None) -> None:
         """Move what waits on the queue into ``batch``, until it holds ``limit`` (all: ``None``)."""

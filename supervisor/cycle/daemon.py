@@ -245,15 +245,23 @@ class Daemon:
         cut (:class:`Cutoff`). What is left unrecorded keeps its lease and is sent again once
         the lease runs out, as after a crash; the error returned says how many, for the exit
         line."""
-        unrecorded = self.completer.backlog
         if not self.cutoff.is_cut and await self.cutoff.by(recorded_by, self.completer.drain()):
             return None
+        return self._unrecorded(stopped_at)
+
+    def _unrecorded(self, stopped_at: float, outage: DatabaseUnavailable | None = None) -> DatabaseUnavailable:
+        """Log every outcome left unrecorded (:meth:`Completer.give_up`) and return the exit's
+        error, saying how many: after a stop the database did not answer in time for, or after
+        an ``outage`` past its bound."""
+        unrecorded = self.completer.give_up()
+        if outage is not None and not unrecorded:
+            return outage
         waited = asyncio.get_running_loop().time() - stopped_at
         self.log.error("daemon.unrecorded", outcomes=unrecorded, waited_seconds=round(waited, 1),
                        retry="after their leases expire")
-        return DatabaseUnavailable(f"stopped with {unrecorded} outcome(s) unrecorded: the database did not "
-                                   f"answer within {waited:.0f} s of the stop; their messages are sent again "
-                                   "once their leases expire")
+        reason = str(outage) if outage is not None else f"the database did not answer within {waited:.0f} s of the stop"
+        return DatabaseUnavailable(f"stopped with {unrecorded} outcome(s) unrecorded: {reason}; their messages are "
+                                   "sent again once their leases expire")
 
     def _wakeups(self) -> list[asyncio.Task[Any]]:
         """LISTEN for new work and key changes where NOTIFY can arrive; else say, once, that
@@ -341,7 +349,8 @@ class Daemon:
                 # reach): begin that now, within the grace, not after it. A turn cut short is
                 # handed off again by the next daemon, as after a crash (docs/reporting.md).
                 handoff.cancel()
-            if isinstance(failure, DatabaseUnavailable):  # past the outage bound: nothing to wait for
+            outage = failure if isinstance(failure, DatabaseUnavailable) else None
+            if outage is not None:  # past the outage bound: nothing to wait for
                 self.cutoff.cut()
             await self.cutoff.by(grace_ends, asyncio.gather(claimer, return_exceptions=True))  # a claim unanswered
             recorded_by = grace_ends
@@ -360,6 +369,8 @@ class Daemon:
             for task in [stopper, *background]:
                 task.cancel()
             await asyncio.gather(stopper, *background, return_exceptions=True)
+            if outage is not None:  # what the outage left unrecorded, said (the completer is stopped now)
+                failure = self._unrecorded(stopped_at, outage)
             await self.fanout.close()
             await self.health.close()
             await self.sender.aclose()

@@ -43,6 +43,15 @@ DUE_VACUUM_DEAD_ROWS = 1_000  # dead rows a due table may hold before this daemo
 DUE_TRUNCATE_BYTES = 1 << 20
 
 
+MAX_ELAPSED_MS = 2**31 - 1  # what the attempt row's integer holds: about 24.8 days
+
+
+def _elapsed_ms(seconds: float) -> int:
+    """An abandoned attempt's time from its lease's start to its rescue, as the row stores it:
+    a lease that ran out weeks before any daemon came back is held at the column's limit."""
+    return min(max(round(seconds * 1000), 0), MAX_ELAPSED_MS)
+
+
 async def rescue_once(engine: AsyncEngine, daemon_id: str, lease_seconds: float) -> int:
     """Hand back the leases that ran out, each recorded as an ``abandoned`` attempt from its
     lease's start (so ``webhook_activity`` gives when that attempt fired) to now."""
@@ -56,7 +65,7 @@ async def rescue_once(engine: AsyncEngine, daemon_id: str, lease_seconds: float)
                 message_id=r.id, tenant_id=r.tenant_id, url=public_url(r.url), attempt_number=r.attempts,
                 outcome="abandoned", http_status_code=None,
                 error_message=f"lease of daemon {r.leased_by} expired; outcome unknown"[:200],
-                response_time_ms=max(0, round((now - r.started_at(lease_seconds)) * 1000)),
+                response_time_ms=_elapsed_ms(now - r.started_at(lease_seconds)),
                 will_retry=True, next_retry_at=now, payload_size_bytes=r.payload_size,
                 sequence_number=r.sequence_number, idempotency_key=r.idempotency_key,
                 notification_type=r.notification_type, trigger=r.trigger, daemon_id=daemon_id, occurred_at=now,

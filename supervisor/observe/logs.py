@@ -38,15 +38,21 @@ def configure_logging(fmt: str = "auto", level: int = logging.INFO) -> None:
         if console
         else [_TRACEBACKS, structlog.processors.JSONRenderer()]
     )
+    shared: list[Any] = [structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso", utc=True),
+                         _strip_query]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            _strip_query,
-            *renderers,
-        ],
+        processors=[structlog.contextvars.merge_contextvars, *shared, *renderers],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # What libraries log through the standard library (psycopg's "query not terminated after
+    # cancellation", asyncio's unretrieved task errors) comes out in the same format, one
+    # JSON object a line, named by its logger, instead of raw text in a JSON stream.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderers]))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(max(level, logging.WARNING))
