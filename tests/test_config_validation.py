@@ -160,14 +160,13 @@ def test_json_logs_carry_the_traceback_without_locals() -> None:
         "except RuntimeError:\n"
         "    structlog.get_logger('t').exception('attempt.crashed', message_id=7)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
-    line = json.loads(done.stderr.strip().splitlines()[-1])
+    stderr = _stderr_of(script)
+    line = json.loads(stderr.strip().splitlines()[-1])
     assert line["event"] == "attempt.crashed" and "exc_info" not in line
     (exc,) = line["exception"]
     assert exc["exc_type"] == "RuntimeError" and exc["exc_value"] == "boom"
     assert [f["name"] for f in exc["frames"]][-1] == "deep"
-    assert "hunter2-credential" not in done.stderr  # frame locals are never rendered
+    assert "hunter2-credential" not in stderr  # frame locals are never rendered
 
 
 def test_old_encryption_keys_without_a_sealing_key_are_refused_not_ignored() -> None:
@@ -196,10 +195,14 @@ def test_a_librarys_standard_logging_comes_out_as_json_lines_too() -> None:
         "    logging.getLogger('asyncio').exception('Task exception was never retrieved')\n"
         "logging.getLogger('psycopg').info('below the level: not written')\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
-    lines = [json.loads(line) for line in done.stderr.strip().splitlines()]
+    lines = [json.loads(line) for line in _stderr_of(script).strip().splitlines()]
     assert [(x["logger"], x["level"], x["event"]) for x in lines] == [
         ("psycopg", "warning", "query not terminated after cancellation: closing connection"),
         ("asyncio", "error", "Task exception was never retrieved")]
     assert lines[1]["exception"][0]["exc_value"] == "inner" and "timestamp" in lines[0]
+
+
+def _stderr_of(script: str) -> str:
+    """What a fresh interpreter running ``script`` writes to stderr (logging set up anew)."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stderr
