@@ -41,9 +41,11 @@ class Bouncer:
 
 
 @contextmanager
-def pgbouncer(server_url: str, *, pool_size: int = 4, ignore_startup_parameters: str = "") -> Iterator[Bouncer]:
+def pgbouncer(server_url: str, *, pool_size: int = 4, ignore_startup_parameters: str = "",
+              max_client_conn: int = 500, query_timeout: float = 0) -> Iterator[Bouncer]:
     """PgBouncer with ``pool_mode = transaction`` and ``pool_size`` server connections per database
-    (and, if given, the ``ignore_startup_parameters`` many installations set)."""
+    (and, if given, the ``ignore_startup_parameters`` many installations set, a lower
+    ``max_client_conn``, a ``query_timeout``)."""
     if not os.access(PGBOUNCER, os.X_OK):
         pytest.fail(f"PgBouncer is not installed ({PGBOUNCER}): apt-get install pgbouncer (.ci/run does)",
                     pytrace=False)
@@ -63,7 +65,8 @@ auth_type = trust
 auth_file = {directory / 'users.txt'}
 pool_mode = transaction
 default_pool_size = {pool_size}
-max_client_conn = 500
+max_client_conn = {max_client_conn}
+query_timeout = {query_timeout:g}
 ignore_startup_parameters = {ignore_startup_parameters}
 logfile = {directory / 'pgbouncer.log'}
 pidfile = {directory / 'pgbouncer.pid'}

@@ -108,3 +108,24 @@ async def test_an_incurable_failure_stays_on_readyz_and_ends_the_daemon_after_th
     with pytest.raises(DatabaseUnavailable, match="OUTBOX_DATABASE_POOLER=transaction"):
         await waiting
     assert errors == ["prepared_statements"]
+
+
+def test_a_server_timeout_and_a_poolers_limits_are_named_for_the_setting_to_look_at(pg_url, pg_server_url):
+    """A server-side statement_timeout is not the client deadline OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS
+    sets; PgBouncer's query_timeout and max_client_conn are the pooler's, not an unreachable database."""
+    from sqlalchemy.engine import make_url
+
+    from tests.pgbouncer import pgbouncer
+
+    server = diagnose(_error_of(pg_url, "SET statement_timeout = 1", "SELECT pg_sleep(1)"))
+    assert server.label == "timeout" and "statement_timeout of the server" in server.text
+    with pgbouncer(pg_server_url, max_client_conn=1, query_timeout=0.5) as bouncer:
+        pooled = bouncer.url(make_url(pg_url).render_as_string(hide_password=False))
+        with psycopg.connect(pooled, autocommit=True) as first:
+            with pytest.raises(psycopg.OperationalError) as refused:
+                psycopg.connect(pooled, connect_timeout=5)
+            with pytest.raises(psycopg.Error) as killed:
+                first.execute("SELECT pg_sleep(3)")
+    timed_out, full = diagnose(killed.value), diagnose(refused.value)
+    assert (timed_out.label, timed_out.text) == ("timeout", "the connection pooler ended a statement at its query_timeout")
+    assert full.label == "connection" and "max_client_conn" in full.text and full.curable

@@ -249,3 +249,45 @@ def test_a_daemon_started_without_the_setting_says_which_one(pg_server_url, fres
         finally:
             procs.stop(daemon, signal.SIGKILL)
         assert "refused the connection's startup options; set OUTBOX_DATABASE_POOLER=transaction" in exit_line(log)
+
+
+async def test_a_listen_connection_through_a_transaction_pooler_is_named_not_silent(pg_server_url, pg_url):
+    """LISTEN succeeds through PgBouncer in transaction mode, but the server connection that ran
+    it goes back to the pool and its notifications are dropped: the daemon probes with a
+    NOTIFY of its own and says so, where it used to poll without a word. Directly, the probe
+    is heard and later notifications wake the daemon."""
+    import asyncio
+
+    import psycopg
+    from structlog.testing import capture_logs
+
+    from outbox.db import libpq_url, make_async_engine
+    from outbox.store import CHANNEL
+    from supervisor.cycle.cutoff import Cutoff
+    from supervisor.cycle.wakeup import PROBE_SECONDS, listen
+
+    async def listened(url: str, seconds: float) -> tuple[list[str], int]:
+        woken = []
+        engine = make_async_engine(url)
+        with capture_logs() as logs:
+            task = asyncio.create_task(listen(url, lambda: woken.append(1), cutoff=Cutoff(engine)))
+            await asyncio.sleep(seconds)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await engine.dispose()
+        return [e["event"] for e in logs], len(woken)
+
+    with pgbouncer(pg_server_url) as bouncer:
+        events, _ = await listened(bouncer.url(pg_url), PROBE_SECONDS + 2)
+    assert "listen.unheard" in events, events
+    woken_at_start = 1
+
+    async def notify_soon() -> None:
+        await asyncio.sleep(1.0)
+        async with await psycopg.AsyncConnection.connect(libpq_url(pg_url), autocommit=True) as conn:
+            await conn.execute(f"NOTIFY {CHANNEL}")
+
+    sender = asyncio.create_task(notify_soon())
+    events, woken = await listened(pg_url, 2.0)
+    await sender
+    assert "listen.unheard" not in events and woken >= woken_at_start + 1, (events, woken)

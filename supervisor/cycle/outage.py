@@ -57,6 +57,18 @@ class Cause:
         return self.label not in ("prepared_statements", "pooler_startup")
 
 
+# What PgBouncer says when one of its own limits, not the database, ended a statement or refused
+# a connection: each named with the setting to look at (its errors arrive as protocol errors,
+# which would otherwise read as "database unreachable").
+_POOLER_REFUSALS = (
+    ("max_client_conn", Cause("connection", "the connection pooler refused a connection: its max_client_conn is "
+                                            "reached (raise it, or run fewer clients)")),
+    ("query_wait_timeout", Cause("timeout", "waited past the connection pooler's query_wait_timeout for a server "
+                                            "connection (its pool is too small for its clients)")),
+    ("query timeout", Cause("timeout", "the connection pooler ended a statement at its query_timeout")),
+)
+
+
 def diagnose(exc: BaseException) -> Cause:
     """The cause of a failed database call, from the driver's error (SQLAlchemy's or psycopg's)."""
     error = getattr(exc, "orig", None) or exc
@@ -67,8 +79,14 @@ def diagnose(exc: BaseException) -> Cause:
         return Cause("pooler_startup", STARTUP_HINT)
     if isinstance(error, StartupOptionsIgnored):  # ... or, told to ignore them, drops them
         return Cause("pooler_startup", DROPPED_HINT)
-    if isinstance(error, TimeoutError) or state == "57014":
+    if isinstance(error, TimeoutError):
         return Cause("timeout", "statement timed out (OUTBOX_DATABASE_STATEMENT_TIMEOUT_SECONDS)")
+    if state == "57014":  # the server's own cancel: not the client deadline that variable sets
+        return Cause("timeout", "statement cancelled by PostgreSQL (a statement_timeout of the server, database or "
+                                "role, or an administrator's cancel)")
+    for words, cause in _POOLER_REFUSALS:  # PgBouncer's own errors name its settings, not the database's
+        if words in str(error):
+            return cause
     if isinstance(error, OSError) or _lost_connection(error, state):
         return Cause("connection", f"database unreachable ({type(error).__name__})")
     return Cause("statement", f"statement failed ({type(error).__name__})")

@@ -86,7 +86,7 @@ def startup_options(settings: Settings) -> dict[str, Any]:
                        f" -c {STARTUP_CHECK_SETTING}={_STARTUP_NONCE}"}
 
 
-def check_startup_options(setting: str | None, settings: Settings) -> None:
+def check_startup_options(setting: str | None) -> None:
     """Raise :class:`StartupOptionsIgnored` unless ``setting``, what :data:`STARTUP_CHECK`
     read on a new connection, is the value :func:`startup_options` sent. Checked on every
     new connection: a pooler that drops the options would otherwise go unnoticed until two
@@ -111,7 +111,7 @@ def check_each_connection(engine: AsyncEngine, settings: Settings) -> None:
             row = cursor.fetchone()
         finally:
             cursor.close()
-        check_startup_options(row[0] if row else None, settings)
+        check_startup_options(row[0] if row else None)
 
 
 def _timeout_ms(settings: Settings) -> int:
@@ -298,7 +298,7 @@ class DirectConnection:
                 if "options" in self._options:
                     try:
                         row = await (await conn.execute(STARTUP_CHECK)).fetchone()
-                        check_startup_options(row[0] if row else None, self._settings)
+                        check_startup_options(row[0] if row else None)
                     except BaseException:
                         await conn.close()
                         raise
