@@ -133,7 +133,13 @@ def report(conn: Connection, *, reader_id: str, role: str, keys: SealingKeys | N
     now = ledger.now
     if role == "daemon" and any(r.seen_at < now - FORGET_SECONDS for r in ledger.readers):
         conn.execute(delete(encryption_readers).where(encryption_readers.c.seen_at < now - FORGET_SECONDS))
-    if keys is not None and keys.active_id not in ledger.announced:  # insert only the first time
+    # Announced the first time only, and never by a process that cannot open the agreed key: a
+    # stale configuration's key (often the one a rotation retired) announced now would be the
+    # newest, and, opened by every process that keeps it as an old key, agreed again, undoing
+    # the rotation. A process rotated as docs/encryption.md says keeps the agreed key among
+    # OUTBOX_ENCRYPTION_OLD_KEYS, so it announces.
+    agreed = ledger.sealing_key_id
+    if keys is not None and keys.active_id not in ledger.announced and (agreed is None or keys.can_open(agreed)):
         _upsert(conn, encryption_keys, {"key_id": keys.active_id, "announced_at": now}, "key_id", ())
         ledger = read_ledger(conn)
     sealing = sealer(keys, ledger.sealing_key_id)

@@ -175,3 +175,16 @@ async def test_a_daemon_without_the_agreed_key_leaves_claims_to_one_that_has_it(
         assert resealer.yielding is None
     finally:
         await async_engine.dispose()
+
+
+def test_a_stale_process_never_rolls_the_agreement_back(engine):
+    """A key no process had sealed with before (a rotation's retired key kept only in
+    OUTBOX_ENCRYPTION_OLD_KEYS), brought back as a stale process's own: announced, it would be
+    the newest key, every process opens it, and it would be agreed again."""
+    old, new = key(), key()
+    rotated, stale = sealing_keys(new, (old,)), sealing_keys(old)
+    assert settle(engine, "current", rotated)[0] == rotated.active_id
+    agreed, ledger = settle(engine, "stale", stale)
+    assert agreed == rotated.active_id and stale.active_id not in ledger.announced
+    assert settle(engine, "current", rotated)[0] == rotated.active_id  # and no daemon agrees on it later
+    assert sealer(stale, agreed).active_id == stale.active_id  # the stale process still seals with what it has

@@ -164,3 +164,40 @@ def held(port: int) -> bool:
 def metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return response.read().decode()
+
+
+def test_a_daemon_without_the_agreed_key_leaves_the_messages_to_one_that_has_it(pg_engine, pg_url, tmp_path):
+    """A daemon restarted with a stale configuration (the agreed key missing) beside one that
+    has it: idle, it would win most due messages only to hold them again while the other
+    waited. It claims nothing, says why on /readyz, and the daemon with the key sends all."""
+    from outbox.keyset import read_ledger
+
+    key, jwks = procs.make_key(tmp_path)
+    old, new = new_key(), new_key()
+    rotated = loopback_producer(OUTBOX_ENCRYPTION_KEY=new, OUTBOX_ENCRYPTION_OLD_KEYS=old)
+    total, stale_port = 60, free_port()
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        current = procs.start_daemon(procs.daemon_env(pg_url, key, encryption_key=new, encryption_old_keys=old),
+                                     tmp_path / "current.log")
+        stale = None
+        try:
+            def agreed() -> str | None:
+                with pg_engine.connect() as conn:
+                    return read_ledger(conn).sealing_key_id
+            assert procs.wait_until(lambda: agreed() == rotated.sealing().active_id, 60)
+            stale = procs.start_daemon(procs.daemon_env(pg_url, key, encryption_key=old,
+                                                        metrics_addr=f"127.0.0.1:{stale_port}"), tmp_path / "stale.log")
+            assert procs.wait_until(lambda: "lacks the agreed encryption key" in procs.readyz(stale_port)[1], 60), \
+                procs.readyz(stale_port)
+            for i in range(total):
+                enqueue(pg_engine, rotated, f"http://127.0.0.1:{port}", "/ok", i)
+            assert procs.wait_until(lambda: finished(pg_engine, total), 60), states(pg_engine)
+            claimed = [line for line in metrics(stale_port).splitlines()
+                       if line.startswith("outbox_claim_batch_size_sum")]
+        finally:
+            for daemon in (current, stale):
+                if daemon is not None:
+                    assert procs.stop(daemon) == 0
+    assert claimed == ["outbox_claim_batch_size_sum 0.0"], claimed
+    assert states(pg_engine)["delivered"] == total and len(procs.arrivals(log)) == total
+    assert "encryption.claims_yielded" in (tmp_path / "stale.log").read_text()
