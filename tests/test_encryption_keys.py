@@ -3,6 +3,7 @@ what holds it back, and what the producer's hot path pays for it."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 
@@ -188,3 +189,23 @@ def test_a_stale_process_never_rolls_the_agreement_back(engine):
     assert agreed == rotated.active_id and stale.active_id not in ledger.announced
     assert settle(engine, "current", rotated)[0] == rotated.active_id  # and no daemon agrees on it later
     assert sealer(stale, agreed).active_id == stale.active_id  # the stale process still seals with what it has
+
+
+async def test_the_re_sealer_ends_with_the_outage_error_itself(monkeypatch):
+    """Past the outage bound the daemon exits on DatabaseUnavailable (its last line, its exit
+    status); the re-sealer's two loops must raise it as it is, not wrapped in a group."""
+    import pytest
+
+    from outbox.config import Settings
+    from outbox.db import make_async_engine
+    from supervisor.cycle.outage import DatabaseUnavailable, OutageGuard
+    from supervisor.cycle.resealer import Resealer
+    from supervisor.observe.metrics import Metrics
+
+    engine = make_async_engine("postgresql+psycopg://postgres@127.0.0.1:1/nowhere")  # nothing listens on port 1
+    resealer = Resealer(engine, Settings(), reader_id="d", outage=OutageGuard(0.2), metrics=Metrics())
+    try:
+        with pytest.raises(DatabaseUnavailable):
+            await asyncio.wait_for(resealer.run(), 30)
+    finally:
+        await engine.dispose()

@@ -148,9 +148,15 @@ class Resealer:
         """Report every ``REFRESH_SECONDS`` and re-seal beside it: a pass over a large table
         takes minutes, and a daemon that stopped reporting meanwhile would drop out of the
         live readers, so a rotation could be agreed on a key it cannot open."""
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._report_forever())
-            group.create_task(self._reseal_forever())
+        loops = [asyncio.create_task(self._report_forever()), asyncio.create_task(self._reseal_forever())]
+        try:  # neither returns: the first to fail raises its own error (DatabaseUnavailable past the bound)
+            done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
+            for loop in done:
+                loop.result()
+        finally:
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
 
     async def _guarded(self, doing: str, work: Callable[[], Awaitable[object]]) -> bool:
         """``work()`` under the outage guard (which waits before a retry): whether it succeeded."""
