@@ -268,6 +268,8 @@ def enqueue_delivery_report(
     idempotency check included, runs before the number is allocated. The stream row stays
     locked until the caller commits: enqueue reports last.
     ``principal_id`` scopes the report's attempts in :func:`outbox.webhook_activity`.
+    ``task_id`` names this report (``delivery_report_<idempotency_key>`` by default): give
+    each report its own, as buyers' receivers treat one task_id as one finished task.
     """
     settings = settings or default_settings()
     tenant = _tenant(tenant_id)
@@ -286,7 +288,11 @@ def enqueue_delivery_report(
     envelope: dict[str, Any] = {
         "idempotency_key": key,
         "operation_id": registration.operation_id,
-        "task_id": task_id or media_buy_id,
+        # One task per report: a buyer's receiver keys a finished task by its task_id (the adcp
+        # SDK's WebhookReceiver answers a second, different result under one task_id with 409),
+        # so reports of one media buy must not share one. Derived from the idempotency key, it
+        # is the same on a same-key retry, whose body must match the stored one.
+        "task_id": task_id or f"delivery_report_{key}",
         "task_type": protocol.DELIVERY_TASK_TYPE,
         "status": "completed",
         "timestamp": _timestamp(),

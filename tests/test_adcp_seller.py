@@ -209,6 +209,30 @@ def test_example_seller_end_to_end(stack: dict[str, Any]) -> None:
     assert sorted(stored) == sorted([(booked_task, "completed", "delivered"), (refused_task, "failed", "delivered")])
 
 
+def test_every_delivery_report_of_a_media_buy_is_accepted_by_the_sdks_receiver(stack: dict[str, Any]) -> None:
+    """The SDK's WebhookReceiver keys a finished task by its task_id: reports of one media buy
+    sharing a task_id would make the second a 409 idempotency conflict, and a dead message.
+    Each report is its own task by default."""
+    import outbox
+
+    settings = load_settings(env=stack["env"])
+    registration = {"operation_id": "op_reports", "token": "buyer-report-token-0123456789"}
+    result = {"notification_type": "scheduled", "currency": "USD", "media_buy_deliveries": [],
+              "reporting_period": {"start": "2026-11-01T00:00:00Z", "end": "2026-11-02T00:00:00Z"}}
+    with Receiver(f"{stack['base']}/outboxd/jwks.json", settings.retry_horizon_seconds) as receiver:
+        for _ in range(3):
+            with stack["engine"].begin() as conn:
+                outbox.enqueue_delivery_report(
+                    conn, tenant_id="reports-buyer", media_buy_id="mb_reports", result=result, settings=settings,
+                    reporting_webhook={**registration, "url": f"http://127.0.0.1:{receiver.port}/hooks"})
+        assert procs.wait_until(lambda: len(receiver.received) >= 3 or receiver.rejected, 30), \
+            (stack["tmp"] / "daemon.log").read_text()[-3000:]
+    assert receiver.rejected == []
+    reports = sorted(receiver.received, key=lambda body: body["result"]["sequence_number"])
+    assert [body["result"]["sequence_number"] for body in reports] == [1, 2, 3]
+    assert len({body["task_id"] for body in reports}) == 3
+
+
 WEBHOOK_EMISSION_STEPS = [
     "capability_discovery/get_capabilities",
     "idempotency_key_presence/trigger_webhook_operation", "idempotency_key_presence/expect_webhook_presence",
