@@ -31,7 +31,9 @@ _BAD_CHARS = re.compile(r"[\s\x00-\x1f\x7f]")
 # unescaped. Everything else (non-ASCII included) is percent-encoded as UTF-8.
 _UNRESERVED = frozenset(string.ascii_letters + string.digits + "-._~")
 _PATH_SAFE = _UNRESERVED | frozenset("!$&'()*+,;=:@/")
-_QUERY_SAFE = _PATH_SAFE | frozenset("?")
+# A WHATWG URL parser (the TypeScript verifier re-parses what arrives) percent-encodes "'" in
+# the query of an http(s) URL: sent as it is, the verifier would rebuild another string.
+_QUERY_SAFE = (_PATH_SAFE - frozenset("'")) | frozenset("?")
 # Plain LDH labels (letters, digits, inner hyphens; no "xn--" punycode to re-check): UTS-46
 # leaves such a host as it is, so it needs no IDNA processing (the slow part of enqueue).
 _ASCII_HOST = re.compile(r"(?!.*(?:^|\.)xn--)(?:(?!-)[a-z0-9-]{1,63}(?<!-)\.)*(?!-)[a-z0-9-]{1,63}(?<!-)")
@@ -151,12 +153,12 @@ def _escape(char: str) -> str:
         raise OutboxValidationError("url", "is not valid Unicode (lone surrogate)") from None
 
 
-def _normalize_escapes(text: str, safe: frozenset[str], *, path: bool) -> str:
-    """``text`` with every character outside ``safe`` percent-encoded as UTF-8.
-
-    In the path (``path=True``) existing escapes are normalized as the AdCP verifier does
-    (RFC 3986 §6.2.2.2): hex uppercased, escaped unreserved characters decoded. The query
-    keeps its escapes byte for byte, as ``@target-uri`` requires.
+def _normalize_escapes(text: str, safe: frozenset[str]) -> str:
+    """``text`` with every character outside ``safe`` percent-encoded as UTF-8, and its
+    existing escapes normalized as the AdCP verifiers do (RFC 3986 §6.2.2.2): hex uppercased,
+    escaped unreserved characters decoded. In the path and in the query alike: the
+    TypeScript verifier normalizes the whole URL it rebuilds ``@target-uri`` from, and the
+    Python one rebuilds it from what arrives, so only a normalized spelling verifies with both.
     """
     if _STRAY_PERCENT.search(text):
         raise OutboxValidationError("url", "has a '%' that does not start a %XX escape: write it as %25")
@@ -167,7 +169,7 @@ def _normalize_escapes(text: str, safe: frozenset[str], *, path: bool) -> str:
         if char == "%":
             escape = text[i : i + 3]
             decoded = chr(int(escape[1:], 16))
-            out.append((decoded if decoded in _UNRESERVED else escape.upper()) if path else escape)
+            out.append(decoded if decoded in _UNRESERVED else escape.upper())
             i += 3
             continue
         out.append(char if char in safe else _escape(char))
@@ -198,7 +200,7 @@ def _canonical_path(path: str) -> str:
             # The verifier removes literal dot segments before it decodes %2E, so no
             # spelling of this path can be both sent and verified; servers disagree on it too.
             raise OutboxValidationError("url", "has a dot segment spelled with %2E: write the path without it")
-    return _remove_dot_segments(_normalize_escapes(path, _PATH_SAFE, path=True)) if path else "/"
+    return _remove_dot_segments(_normalize_escapes(path, _PATH_SAFE)) if path else "/"
 
 
 @functools.lru_cache(maxsize=4096)  # pure; the daemon asks it of the same buyer URLs on every attempt
@@ -206,11 +208,12 @@ def canonicalize_url(url: str) -> str:
     """The AdCP canonical form of a webhook URL (docs/protocol.md "Signing" ``@target-uri``), also what is sent.
 
     Lowercase scheme and host, UTS-46 IDN, default port and one trailing dot stripped. The
-    path is normalized the way the AdCP verifier normalizes what arrives (percent-escapes
-    uppercased, escaped unreserved characters decoded, dot segments removed, an empty path
-    made ``/``); the query is kept byte for byte. Characters that are not legal in a URI
-    (non-ASCII, ``"<>[]^`{|}``) are percent-encoded as UTF-8, as RFC 3987 §3.1 maps an IRI
-    to a URI, so httpx has nothing left to escape. The result is a fixed point of both the
+    path and the query are normalized the way the AdCP verifiers normalize what arrives
+    (percent-escapes uppercased, escaped unreserved characters decoded; in the path, dot
+    segments removed and an empty path made ``/``). Characters that are not legal in a URI
+    (non-ASCII, ``"<>[]^`{|}``), and ``'`` in the query, are percent-encoded as UTF-8, as
+    RFC 3987 §3.1 maps an IRI to a URI and a WHATWG parser encodes a query, so httpx has
+    nothing left to escape. The result is a fixed point of both the
     verifier's canonicalization and httpx's URL encoding: the daemon POSTs exactly this
     string and the receiver rebuilds exactly it (see docs/enqueue.md, "URL rules").
     """
@@ -231,7 +234,7 @@ def canonicalize_url(url: str) -> str:
     if port is not None and port != _DEFAULT_PORTS.get(scheme):
         netloc = f"{netloc}:{port}"
     path = _canonical_path(parts.path)
-    query = _normalize_escapes(parts.query, _QUERY_SAFE, path=False)
+    query = _normalize_escapes(parts.query, _QUERY_SAFE)
     return urlunsplit((scheme, netloc, path, query, ""))
 
 

@@ -136,3 +136,34 @@ def test_every_webhook_of_a_default_run_verifies_under_both_sdks(pg_engine, pg_u
     assert [python(r.method, r.url, dict(r.headers), r.body) for r in arrivals] == [None] * len(arrivals)
     typescript = ts_sdk.verify(jwks, arrivals)
     assert [r["ok"] for r in typescript] == [True] * len(arrivals), [r for r in typescript if not r["ok"]][:3]
+
+
+def _queries(count: int) -> list[str]:
+    """Queries a buyer may register: the characters RFC 3986 allows raw in a query, escapes
+    of every kind (lower and upper case hex, escaped unreserved and reserved characters),
+    non-ASCII text and the characters outboxd escapes itself."""
+    import random
+
+    pieces = [*"abcXYZ019-._~!$&'()*+,;=:@/?", "%7e", "%7E", "%41", "%2f", "%2F", "%27", "%20", "%e2%82%ac",
+              "\u00fc", "\u20ac", " ", '"', "<", ">", "{", "}", "|", "^", "`"]
+    chance = random.Random(3986)
+    return [f"q={''.join(chance.choice(pieces) for _ in range(chance.randint(1, 12)))}" for _ in range(count)]
+
+
+def test_both_buyer_sdks_verify_every_query_as_outboxd_sends_it(ts_sdk_version: str) -> None:
+    """The URL outboxd signs and sends (outbox.urls.canonicalize_url) is what both verifiers
+    rebuild: the TypeScript one re-parses it as a WHATWG URL and normalizes its escapes, the
+    Python one takes it as it arrives. A query kept byte for byte ("'" raw, "%7e", "%2f")
+    verified with Python only."""
+    from outbox.urls import canonicalize_url
+
+    key = _new_key("queries", ALG_ED25519)
+    jwks = {"keys": [key.public_jwk(ADCP_USE_WEBHOOK)]}
+    named = ["q='x'", "a=%7e", "a=%2f", "id=%41bc", "a=%e2%82%ac&b=+", "next=%2F&x=~"]
+    urls = [canonicalize_url(f"https://buyer.example:8443/hooks/op_1?{query}") for query in named + _queries(200)]
+    signed = [ts_sdk.Captured("POST", url, {k.lower(): v for k, v in signature_headers(key, url=url, body=BODY).items()},
+                              BODY) for url in urls]
+    python = adcp_verifier(jwks)
+    refused = [(url, ts) for url, ts in zip(urls, ts_sdk.verify(jwks, signed)) if not ts["ok"]]
+    refused += [(r.url, why) for r in signed if (why := python("POST", r.url, dict(r.headers), BODY)) is not None]
+    assert refused == [], refused[:5]
