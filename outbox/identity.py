@@ -33,6 +33,7 @@ from weakref import WeakKeyDictionary
 from sqlalchemy import Connection, Engine, inspect, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from outbox.arguments import is_utf8
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
 from outbox.schema import messages
 from outbox.sealing import KeyUnavailable, SealError, SealingKeys, plaintext, sealed_row
@@ -72,6 +73,13 @@ def decode_body(body: bytes) -> dict[str, Any] | None:
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def escapes_lone_surrogate(body: bytes, decoded: Any) -> bool:
+    """Whether the JSON ``body`` (``decoded`` already) escapes an unpaired surrogate
+    (``"\\ud800"`` alone): Python's parser takes it, strict ones (the adcp SDK's verifier)
+    refuse the body. Shared by the producer and the daemon's check of plain-SQL rows."""
+    return b"\\u" in body and not is_utf8(json.dumps(decoded, ensure_ascii=False))
 
 
 def binding_material(row: Mapping[str, Any], content: Mapping[str, Any] | None = None) -> bytes | None:

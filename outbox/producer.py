@@ -28,8 +28,9 @@ from outbox.identity import (
     EnqueuedMessage,
     binding_material,
     decode_body,
-    store_bound,
+    escapes_lone_surrogate,
     is_stream_key,
+    store_bound,
     stream_key as scoped_stream_key,
 )
 from outbox.keyset import producer_keys
@@ -328,7 +329,7 @@ def exact_body(body: bytes, field: str) -> tuple[dict[str, Any], str]:
     if decoded is None:
         raise OutboxValidationError(field, "must be a UTF-8 JSON object")
     _check_json(decoded, field)
-    if b"\\u" in body and not is_utf8(json.dumps(decoded, ensure_ascii=False)):
+    if escapes_lone_surrogate(body, decoded):
         raise OutboxValidationError(field, "escapes an unpaired surrogate (\\uD800-\\uDFFF alone): not valid Unicode")
     key = check_string(decoded.get("idempotency_key"), f"{field}.idempotency_key", protocol.IDEMPOTENCY_KEY_RE)
     return decoded, key

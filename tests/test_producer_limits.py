@@ -202,3 +202,32 @@ def test_json_problem_accepts_exactly_what_json_reads_back_as_given(value):
     except ValueError:
         round_trips = False
     assert (json_problem(value) is None) == round_trips, value
+
+
+@pytest.mark.parametrize(("text", "sendable"), [
+    ('"\\ud800"', False), ('"x\\udfff"', False), ('"\\ud83d\\ude00"', True), ('"\\u00e9"', True), ('"plain"', True),
+])
+def test_the_daemon_judges_a_plain_sql_body_as_the_producer_does(text: str, sendable: bool) -> None:
+    """A row written with plain SQL is checked when claimed: a body escaping a lone surrogate,
+    which the producer refuses and strict verifiers (the adcp SDK's) reject, ends dead invalid
+    instead of being sent."""
+    import hashlib
+
+    from outbox.config import Settings
+    from outbox.leases import Claimed
+    from outbox.producer import exact_body
+    from supervisor.cycle.attempt import integrity_problem
+
+    key = "whk_plain_sql_surrogate_0001"
+    body = f'{{"idempotency_key":"{key}","note":{text}}}'.encode()
+    row = Claimed(id=1, tenant_id="t", url="https://buyer.example.com/hook", origin=None, idempotency_key=key,
+                  body=body, body_sha256=hashlib.sha256(body).digest(), auth_mode="rfc9421", auth_secret=None,
+                  sequence_number=None, notification_type=None, attempt=1, retry_until=2e9, created_at=1e9,
+                  trigger="scheduled", claimed_at=1.7e9, lease_token="x")
+    problem, _ = integrity_problem(row, Settings())
+    if sendable:
+        assert problem is None and exact_body(body, "payload")[1] == key
+    else:
+        assert problem is not None and "unpaired surrogate" in problem
+        with pytest.raises(outbox.OutboxValidationError, match="unpaired surrogate"):
+            exact_body(body, "payload")

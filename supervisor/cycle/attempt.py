@@ -16,6 +16,7 @@ from outbox.config import Settings
 from outbox.errors import ConfigurationError, OutboxValidationError
 from outbox.leases import Claimed
 from outbox.masking import response_excerpt
+from outbox.identity import escapes_lone_surrogate
 from outbox.producer import decode_body
 from outbox.sealing import CREDENTIAL, KeyUnavailable, SealError, plaintext
 from outbox.urls import validate_destination
@@ -92,6 +93,8 @@ def integrity_problem(message: Claimed, settings: Settings) -> tuple[str | None,
     body = decode_body(message.body)
     if body is None:
         return "body is not a JSON object", message.url
+    if escapes_lone_surrogate(message.body, body):
+        return "body escapes an unpaired surrogate (\\uD800-\\uDFFF alone): not valid Unicode", message.url
     if challenge.is_challenge(message.notification_type):
         problem = challenge.body_problem(body, message.auth_mode)
         if problem is not None:
