@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import func, select, update
 
 from outbox.db import make_async_engine
-from outbox.schema import job_items, jobs, messages
+from outbox.schema import endpoint_stats, job_items, jobs, messages
+from supervisor.observe.metrics import Metrics
 from supervisor.operator import jobs as recovery
 from tests import procs
 from tests.ledger import enqueue_tasks
@@ -41,14 +42,31 @@ async def test_a_cancel_job_takes_pending_messages_of_its_range_and_leaves_in_fl
             assert await recovery.count(conn, recovery.Selection("acme", 0.0, kind="cancel")) == 9
             assert await recovery.count(conn, recovery.Selection("acme", 0.0, kind="cancel", until=since)) == 3
             job = await recovery.create(conn, recent, force=False, rate=2)
-        run = {"daemon_id": "d1", "horizon_seconds": 86_400}
+        metrics = Metrics(per_tenant=True)
+        run = {"daemon_id": "d1", "horizon_seconds": 86_400, "metrics": metrics}
+        leases = []
         while (handled := await recovery.run_chunk(aengine, job["id"], **run)) != 0:
             assert handled is not None
+            with engine.connect() as conn:
+                leases.append(conn.execute(select(jobs.c.lease_until - jobs.c.updated_at)
+                                           .where(jobs.c.id == job["id"])).scalar_one())
         async with aengine.connect() as conn:
             done = await recovery.show(conn, job["id"])
+            # what was cancelled is never replayed, nor selected by a replay job, forced or not
+            assert await recovery.count(conn, recovery.Selection("acme", 0.0)) == 0
+            assert await recovery.count(conn, recovery.Selection("acme", 0.0, reason="cancelled")) == 0
     finally:
         await aengine.dispose()
     assert (done["kind"], done["state"], done["total"], done["done"], done["skipped"]) == ("cancel", "done", 4, 3, 1)
+    # held through the pause its rate (2 a second, chunks of 2) puts before the next chunk
+    assert leases and all(abs(lease - (recovery.LEASE_SECONDS + 1.0)) < 0.01 for lease in leases), leases
+    # deaths like any other: the dead-letter counter, the final outcomes, the endpoint's rollup
+    sample = metrics.registry.get_sample_value
+    assert sample("outbox_dead_letters_total", {"reason": "cancelled"}) == 3
+    assert sample("outbox_deliveries_total", {"outcome": "dead", "tenant": "acme"}) == 3
+    with engine.connect() as conn:
+        assert conn.execute(select(func.sum(endpoint_stats.c.deaths)).where(
+            endpoint_stats.c.tenant_id == "acme", endpoint_stats.c.origin == "http://127.0.0.1:9")).scalar_one() == 3
     with engine.connect() as conn:
         rows = {r.id: r for r in conn.execute(select(messages))}
     assert all((rows[i].state, rows[i].dead_reason) == ("dead", "cancelled") for i in late[1:])

@@ -316,7 +316,9 @@ class Daemon:
                                 name="maintenance"),
             asyncio.create_task(self._watch_clock(), name="clock"),
             asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
-                                          horizon_seconds=self.settings.retry_horizon_seconds).run(), name="jobs"),
+                                          horizon_seconds=self.settings.retry_horizon_seconds, metrics=self.metrics,
+                                          events_window=self.settings.operator_events_window_seconds).run(),
+                                name="jobs"),
         ]
         resealer = asyncio.create_task(self.resealer.run(), name="resealer")
         background.append(resealer)

@@ -75,6 +75,28 @@ async def rescue_once(engine: AsyncEngine, daemon_id: str, lease_seconds: float)
     return len(rows)
 
 
+async def record_deaths(conn: AsyncConnection, rows: Sequence[Any], reason: str, *, daemon_id: str,
+                        window: float) -> challenge.Settled:
+    """Settle what ended dead without an attempt (past its horizon, cancelled by a recovery
+    job), in the same transaction: a URL proof among them fails, and the endpoint-health
+    rollup (its deaths) and the operator events count them. ``rows``: (id, tenant_id, origin)."""
+    settled = await challenge.settle(conn, [], [r.id for r in rows])
+    now = await store.db_now(conn)
+    await health_stats.record(conn, health_stats.tally(
+        (health_stats.Recorded.of(r.tenant_id, r.origin, None, None, True) for r in rows if r.origin),
+        now=now, daemon_id=daemon_id))
+    await events.messages_ended(conn, [(r.tenant_id, r.origin, reason) for r in rows], now=now, window=window)
+    return settled
+
+
+def count_deaths(metrics: Metrics, settled: challenge.Settled | None, rows: Sequence[Any], reason: str) -> None:
+    """After the commit of :func:`record_deaths`: the dead-letter and final-outcome counters."""
+    if settled is not None:
+        settled.count(metrics)
+    for row in rows:
+        metrics.count_dead(reason, row.tenant_id)
+
+
 async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
     """Live rows only, from their partial indexes: the cost is what is due, not history."""
     async with engine.connect() as conn:
@@ -154,18 +176,6 @@ class Maintenance:
         if vacuumed:
             self._log.debug("due_tables.vacuumed", tables=vacuumed)
 
-    async def _expired(self, conn: AsyncConnection, expired: list[Any]) -> challenge.Settled:
-        """What messages ended past their horizon settle, in the same transaction: an expired
-        URL proof fails, and the endpoint-health rollup and operator events count them."""
-        settled = await challenge.settle(conn, [], [r.id for r in expired])
-        now = await store.db_now(conn)
-        await health_stats.record(conn, health_stats.tally(
-            (health_stats.Recorded.of(r.tenant_id, r.origin, None, None, True) for r in expired if r.origin),
-            now=now, daemon_id=self._daemon_id))
-        await events.messages_ended(conn, [(r.tenant_id, r.origin, "expired") for r in expired], now=now,
-                                    window=self._settings.operator_events_window_seconds)
-        return settled
-
     async def run(self) -> None:
         try:
             await self._tick_forever()
@@ -186,11 +196,10 @@ class Maintenance:
                     async with self._engine.begin() as conn:
                         expired = await store.expire_past_horizon(conn, horizon_seconds=self._horizon)
                         # most ticks expire nothing: no further statement then
-                        settled = await self._expired(conn, expired) if expired else None
-                    if settled is not None:
-                        settled.count(self._metrics)  # after the commit
-                    for row in expired:
-                        self._metrics.count_dead("expired", row.tenant_id)
+                        settled = await record_deaths(conn, expired, "expired", daemon_id=self._daemon_id,
+                                                      window=self._settings.operator_events_window_seconds) \
+                            if expired else None
+                    count_deaths(self._metrics, settled, expired, "expired")  # after the commit
                     if expired:
                         self._log.warning("messages.expired", count=len(expired))
                 if ticks % int(GAUGE_INTERVAL / RESCUE_INTERVAL) == 0:

@@ -33,12 +33,17 @@ from sqlalchemy import and_, func, insert, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox import store
+from outbox.config import Settings
 from outbox.schema import PG_NOW, SQLITE_NOW, job_items, jobs, messages
 from outbox.schema import db_now as db_clock
 from outbox.activity import rfc3339
+from supervisor.cycle.maintenance import count_deaths, record_deaths
 
-if TYPE_CHECKING:  # the daemon's cycle runs jobs; the guard is its, named here for annotations only
+if TYPE_CHECKING:  # the daemon's cycle runs jobs; the guard and metrics are its, named here for annotations only
     from supervisor.cycle.outage import OutageGuard
+    from supervisor.observe.metrics import Metrics
+
+EVENTS_WINDOW_SECONDS = Settings().operator_events_window_seconds  # a runner told nothing else
 
 CHUNK = 200  # messages per transaction at most (fewer when the rate is lower)
 DEFAULT_RATE = 50  # messages per second: well below what live traffic to one endpoint takes
@@ -86,7 +91,9 @@ class Selection:
                         *([m.origin == self.origin] if self.origin else []))
         return and_(m.state == "dead", m.tenant_id == self.tenant_id, m.finished_at >= self.since,
                     m.finished_at <= until, m.id > after,
-                    m.dead_reason != "proof_failed",  # never to a URL that failed its proof (docs/subscribers.md)
+                    # never what `outboxd replay` refuses (docs/subscribers.md): a URL that failed its
+                    # proof, a cancelled message, a fire to a subscriber since removed, paused or moved
+                    m.dead_reason.not_in(("proof_failed", "cancelled")), text(f"NOT {store.SUBSCRIBER_REVOKED}"),
                     *([m.origin == self.origin] if self.origin else []),
                     *([m.dead_reason == self.reason] if self.reason else []))
 
@@ -140,18 +147,24 @@ async def change(conn: AsyncConnection, job_id: int, action: str) -> bool:
     return result.rowcount == 1
 
 
-async def _cancel(conn: AsyncConnection, job_id: int, ids: list[int]) -> list[int]:
-    """End those of ``ids`` still pending as dead ``cancelled``; one leased in flight is left alone."""
+async def _cancel(conn: AsyncConnection, job_id: int, ids: list[int]) -> list[Any]:
+    """End those of ``ids`` still pending as dead ``cancelled`` (their id, tenant and origin);
+    one leased in flight is left alone."""
     m = messages.c
     ended = await conn.execute(update(messages).where(m.id.in_(ids), m.state == "pending").values(
         held=False, state="dead", dead_reason="cancelled", finished_at=db_clock(),
-        last_error=f"cancelled by recovery job {job_id}").returning(m.id))
-    return sorted(ended.scalars())
+        last_error=f"cancelled by recovery job {job_id}").returning(m.id, m.tenant_id, m.origin))
+    return sorted(ended, key=lambda row: row.id)
 
 
-async def run_chunk(engine: AsyncEngine, job_id: int, *, daemon_id: str, horizon_seconds: int) -> int | None:
+async def run_chunk(engine: AsyncEngine, job_id: int, *, daemon_id: str, horizon_seconds: int,
+                    metrics: Metrics | None = None, events_window: float = EVENTS_WINDOW_SECONDS) -> int | None:
     """Replay (or cancel) the job's next chunk in one transaction; how many messages it handled (0: the
-    job is finished now), or ``None`` when the job is no longer this daemon's to run."""
+    job is finished now), or ``None`` when the job is no longer this daemon's to run. Messages a
+    cancel job ends count as deaths where expiries do (the endpoint rollup, operator events,
+    ``metrics``)."""
+    cancelled: list[Any] = []
+    settled = None
     async with engine.begin() as conn:
         locked = select(jobs).where(jobs.c.id == job_id)
         if conn.dialect.name == "postgresql":
@@ -169,25 +182,37 @@ async def run_chunk(engine: AsyncEngine, job_id: int, *, daemon_id: str, horizon
             await conn.execute(update(jobs).where(jobs.c.id == job_id).values(
                 state="done", leased_by=None, lease_until=None, updated_at=now))
             return 0
-        replayed = await _cancel(conn, job_id, ids) if job.kind == "cancel" else \
-            await store.replay(conn, ids, force=job.force, horizon_seconds=horizon_seconds)
+        if job.kind == "cancel":
+            cancelled = await _cancel(conn, job_id, ids)
+            replayed = [row.id for row in cancelled]
+            if cancelled:
+                settled = await record_deaths(conn, cancelled, "cancelled", daemon_id=daemon_id, window=events_window)
+        else:
+            replayed = await store.replay(conn, ids, force=job.force, horizon_seconds=horizon_seconds)
         if replayed:  # a second handling of a message by this job would violate the key: the chunk rolls back
             await conn.execute(insert(job_items), [{"job_id": job_id, "message_id": i} for i in replayed])
             await store.notify(conn)
         await conn.execute(update(jobs).where(jobs.c.id == job_id).values(
             cursor=max(ids), done=jobs.c.done + len(replayed), skipped=jobs.c.skipped + len(ids) - len(replayed),
-            leased_by=daemon_id, lease_until=now + LEASE_SECONDS, updated_at=now))
+            # held through the pause the rate puts before the next chunk, however long: a slow job
+            # (0.05 a second is a chunk every 20 s) must not pass to another daemon meanwhile
+            leased_by=daemon_id, lease_until=now + LEASE_SECONDS + len(ids) / job.rate, updated_at=now))
+    if metrics is not None:
+        count_deaths(metrics, settled, cancelled, "cancelled")
     return len(ids)
 
 
 class JobRunner:
     """The daemon's side: take a running job no live daemon holds, run it chunk by chunk."""
 
-    def __init__(self, engine: AsyncEngine, *, daemon_id: str, horizon_seconds: int, outage: OutageGuard) -> None:
+    def __init__(self, engine: AsyncEngine, *, daemon_id: str, horizon_seconds: int, outage: OutageGuard,
+                 metrics: Metrics | None = None, events_window: float = EVENTS_WINDOW_SECONDS) -> None:
         self._engine = engine
         self._daemon_id = daemon_id
         self._horizon = horizon_seconds
         self._outage = outage
+        self._metrics = metrics
+        self._events_window = events_window
         self._log = structlog.get_logger("outboxd.jobs")
 
     async def _take(self) -> tuple[int, float] | None:
@@ -212,7 +237,8 @@ class JobRunner:
             try:
                 taken = await self._take()
                 handled = None if taken is None else await run_chunk(
-                    self._engine, taken[0], daemon_id=self._daemon_id, horizon_seconds=self._horizon)
+                    self._engine, taken[0], daemon_id=self._daemon_id, horizon_seconds=self._horizon,
+                    metrics=self._metrics, events_window=self._events_window)
                 self._outage.ok("run recovery jobs")
             except Exception as exc:
                 await self._outage.failed("run recovery jobs", exc)
