@@ -17,6 +17,7 @@ from sqlalchemy import func, select, update
 from outbox.db import make_async_engine
 from outbox.schema import endpoint_stats, job_items, jobs, messages
 from supervisor.observe.metrics import Metrics
+from supervisor.cycle import job_runner as runner
 from supervisor.operator import jobs as recovery
 from tests import procs
 from tests.ledger import enqueue_tasks
@@ -45,7 +46,7 @@ async def test_a_cancel_job_takes_pending_messages_of_its_range_and_leaves_in_fl
         metrics = Metrics(per_tenant=True)
         run = {"daemon_id": "d1", "horizon_seconds": 86_400, "metrics": metrics}
         leases = []
-        while (handled := await recovery.run_chunk(aengine, job["id"], **run)) != 0:
+        while (handled := await runner.run_chunk(aengine, job["id"], **run)) != 0:
             assert handled is not None
             with engine.connect() as conn:
                 leases.append(conn.execute(select(jobs.c.lease_until - jobs.c.updated_at)

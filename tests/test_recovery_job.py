@@ -15,6 +15,7 @@ from sqlalchemy import func, select, text, update
 
 from outbox.db import make_async_engine
 from outbox.schema import job_items, jobs, messages
+from supervisor.cycle import job_runner as runner
 from supervisor.operator import jobs as recovery
 from supervisor.cycle.outage import OutageGuard
 from tests import procs
@@ -53,13 +54,13 @@ async def test_a_job_replays_its_selection_once_and_obeys_pause_resume_and_cance
             assert await recovery.change(conn, job["id"], "pause")
             assert not await recovery.change(conn, job["id"], "pause")  # already paused
         run = {"daemon_id": "d1", "horizon_seconds": 86_400}
-        assert await recovery.run_chunk(async_engine, job["id"], **run) is None  # paused: nothing
+        assert await runner.run_chunk(async_engine, job["id"], **run) is None  # paused: nothing
         async with async_engine.begin() as conn:
             assert await recovery.change(conn, job["id"], "resume")
-        assert await recovery.run_chunk(async_engine, job["id"], **run) == 4  # the rate bounds a chunk
-        assert await recovery.run_chunk(async_engine, job["id"], daemon_id="d2", horizon_seconds=86_400) is None
+        assert await runner.run_chunk(async_engine, job["id"], **run) == 4  # the rate bounds a chunk
+        assert await runner.run_chunk(async_engine, job["id"], daemon_id="d2", horizon_seconds=86_400) is None
         _kill(engine, gone[:2], "gone", ago=1)  # replayed, then dead again: not the job's to take twice
-        while (handled := await recovery.run_chunk(async_engine, job["id"], **run)) != 0:
+        while (handled := await runner.run_chunk(async_engine, job["id"], **run)) != 0:
             assert handled
         async with async_engine.begin() as conn:
             done = await recovery.show(conn, job["id"])
@@ -68,8 +69,8 @@ async def test_a_job_replays_its_selection_once_and_obeys_pause_resume_and_cance
             cancelled = await recovery.create(conn, everything, force=False, rate=100)
             assert await recovery.change(conn, cancelled["id"], "cancel")
             assert not await recovery.change(conn, cancelled["id"], "resume")
-        assert await recovery.run_chunk(async_engine, forced["id"], **run) == 3
-        assert await recovery.run_chunk(async_engine, cancelled["id"], **run) is None
+        assert await runner.run_chunk(async_engine, forced["id"], **run) == 3
+        assert await runner.run_chunk(async_engine, cancelled["id"], **run) is None
     finally:
         await async_engine.dispose()
     assert (done["state"], done["total"], done["done"], done["skipped"], done["remaining"]) == ("done", 10, 7, 3, 0)
@@ -88,8 +89,8 @@ async def test_the_runner_keeps_to_the_rate(pg_engine):
     try:
         async with async_engine.begin() as conn:
             job = await recovery.create(conn, recovery.Selection("acme", time.time() - 3600), force=False, rate=10)
-        runner = asyncio.create_task(recovery.JobRunner(async_engine, daemon_id="d", horizon_seconds=86_400,
-                                                        outage=OutageGuard(30)).run())
+        running = asyncio.create_task(runner.JobRunner(async_engine, daemon_id="d", horizon_seconds=86_400,
+                                                       outage=OutageGuard(30)).run())
         started = time.monotonic()
         try:
             while True:
@@ -99,8 +100,8 @@ async def test_the_runner_keeps_to_the_rate(pg_engine):
                 assert time.monotonic() - started < 60
                 await asyncio.sleep(0.05)
         finally:
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
     finally:
         await async_engine.dispose()
     assert time.monotonic() - started >= 2.0  # 30 messages at 10/s: three chunks, two pauses of a second

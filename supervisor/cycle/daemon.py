@@ -39,7 +39,7 @@ from supervisor.cycle.claimer import Claimer
 from supervisor.cycle.clock import ClockOffsetError, DatabaseClock
 from supervisor.cycle.completer import Completer
 from supervisor.observe.health import READY_CHECK_SECONDS, HealthServer
-from supervisor.operator.jobs import JobRunner
+from supervisor.cycle.job_runner import JobRunner
 from supervisor.keys.keyring import CHANNEL as KEYRING_CHANNEL
 from supervisor.keys.keyring_cache import CachedKeyring
 from supervisor.cycle.maintenance import Maintenance
