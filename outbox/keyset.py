@@ -224,10 +224,18 @@ def producer_keys(conn: Connection, settings: Settings) -> SealingKeys | None:
         return keys
     view = _VIEWS.get(engine)
     stale = view is None or time.monotonic() - view.fetched >= REFRESH_SECONDS
-    if stale and _REFRESHING.acquire(blocking=view is None):  # one thread refreshes; others use the view
-        try:
-            ledger = report(conn, reader_id=process_id("producer"), role="producer", keys=keys)
-            view = _VIEWS[engine] = _View(ledger.sealing_key_id, time.monotonic())
-        finally:
-            _REFRESHING.release()
+    if stale:
+        # Never waited for: under outbox.aio the holder may be a coroutine of this very thread,
+        # suspended inside this call while its statement runs, and waiting would block the
+        # event loop it needs to finish. The holder reports for the process (every thread
+        # and coroutine has the same keys); a caller without a view yet only reads the
+        # agreement (no row lock to wait on); one with a view uses it meanwhile.
+        if _REFRESHING.acquire(blocking=False):
+            try:
+                ledger = report(conn, reader_id=process_id("producer"), role="producer", keys=keys)
+                view = _VIEWS[engine] = _View(ledger.sealing_key_id, time.monotonic())
+            finally:
+                _REFRESHING.release()
+        elif view is None:
+            view = _View(read_ledger(conn).sealing_key_id, 0.0)  # this call's own: not kept
     return sealer(keys, None if view is None else view.agreed)

@@ -376,3 +376,22 @@ def test_pure_sql_enqueue_on_postgresql(pg_engine, pg_url):
     assert [r.state for r in rows] == ["pending"] * 3
     assert rows[0].origin == "https://b.example" and rows[0].body_sha256 == hashlib.sha256(rows[0].body).digest()
     assert rows[0].created_at > 1.7e9 and rows[0].next_attempt_at == rows[0].created_at and seq == 1
+
+
+async def test_the_async_api_refuses_an_engine_or_a_driver_connection_as_the_sync_one_does(engine, settings):
+    """An AsyncEngine (an easy slip for an async seller) or a driver connection has no
+    transaction of the seller's to join: TypeError naming what was passed, not AttributeError."""
+    from outbox import aio
+    from outbox.db import make_async_engine
+
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.connect() as conn:
+            raw = await conn.get_raw_connection()
+            for wrong in (async_engine, engine, raw):
+                with pytest.raises(TypeError, match="AsyncConnection or AsyncSession.*not "):
+                    await aio.enqueue_task_webhook(wrong, **dict(tenant_id="t1", push_notification_config=PNC,
+                                                                task_id="task_1", task_type="create_media_buy",
+                                                                status="completed", settings=settings))
+    finally:
+        await async_engine.dispose()

@@ -200,3 +200,51 @@ async def test_reseal_moves_every_row_onto_the_active_key(engine):
 
     assert sealing_settings(new).sealing().open(PURPOSE, bytes(credential_row.auth_secret), tenant_id="t1",
                                                 idempotency_key=credential_row.idempotency_key) == CREDENTIAL.encode()
+
+
+def test_concurrent_async_enqueues_of_a_new_process_never_block_its_event_loop(pg_url, tmp_path):
+    """The first enqueues of a seller process read the agreed encryption key; under
+    outbox.aio, coroutines of one thread did so behind a thread lock one of them held while
+    suspended, and the event loop froze for good. In a fresh interpreter (no agreement read
+    yet), twenty enqueues at once must finish, and a ticker must keep ticking meanwhile."""
+    import base64
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "seller.py"
+    script.write_text(f"""
+import asyncio
+import outbox
+from outbox import aio
+from outbox.db import make_async_engine
+
+async def main():
+    engine = make_async_engine({pg_url!r})
+    ticks = []
+
+    async def ticker():
+        while True:
+            ticks.append(1)
+            await asyncio.sleep(0.01)
+
+    async def enqueue(i):
+        async with engine.begin() as conn:
+            await aio.enqueue(conn, tenant_id="t", url="https://buyer.example.com/hook", payload={{"n": i}})
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.wait_for(asyncio.gather(*(enqueue(i) for i in range(20))), 30)
+    tick.cancel()
+    await engine.dispose()
+    print("enqueued", len(ticks) > 0)
+
+asyncio.run(main())
+""")
+    env = {**os.environ, "OUTBOX_DATABASE_URL": pg_url, "OUTBOX_ENCRYPTION_KEY": base64.b64encode(os.urandom(32)).decode(),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    try:
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the seller's event loop froze: 20 concurrent sealed enqueues never finished")
+    assert done.returncode == 0 and done.stdout.strip() == "enqueued True", done.stderr[-2000:]

@@ -270,7 +270,9 @@ def canonical_urls(draw: st.DrawFn) -> str:
     port = draw(st.none() | st.integers(1, 65535).filter(lambda p: p != default))
     segment = st.lists(_PCHAR, max_size=6).map("".join).filter(lambda s: s not in (".", ".."))  # dot segments go
     segments = draw(st.lists(segment, min_size=1, max_size=4))
-    query = draw(st.none() | st.lists(_PCHAR | st.sampled_from("/?"), min_size=1, max_size=12).map("".join))
+    # "'" is escaped in a canonical query (a WHATWG parser encodes it there, not in a path)
+    query_char = _PCHAR.filter(lambda c: c != "'") | st.sampled_from("/?")
+    query = draw(st.none() | st.lists(query_char, min_size=1, max_size=12).map("".join))
     url = f"{scheme}://{host}{'' if port is None else f':{port}'}/{'/'.join(segments)}"
     return url if query is None else f"{url}?{query}"
 
