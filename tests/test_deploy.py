@@ -662,3 +662,20 @@ def test_constraints_pin_every_runtime_dependency_as_tested():
                 if line and not line.startswith("#"))
     for name in ("sqlalchemy", "psycopg", "psycopg-binary", "greenlet", "httpx", "cryptography", "structlog"):
         assert name in pins, name
+
+
+def test_the_counters_alerts_read_start_at_zero() -> None:
+    """A labelled counter that first appears at 1 is lost to rate() and increase(): the first
+    signature rejection (OutboxSignatureRejected) would never alert, and every restart would
+    hide a dead letter from the dashboards. Known labels are exported at 0 from the start."""
+    from prometheus_client import generate_latest
+
+    from outbox.schema import DEAD_REASONS
+    from supervisor.observe.metrics import Metrics
+
+    exposed = generate_latest(Metrics().registry).decode()
+    expected = [f'outbox_dead_letters_total{{reason="{reason}"}} 0.0' for reason in DEAD_REASONS] + [
+        'outbox_deliveries_total{outcome="delivered"} 0.0', 'outbox_deliveries_total{outcome="dead"} 0.0',
+        'outbox_attempts_total{outcome="success",status_class="2xx"} 0.0',
+        'outbox_breaker_transitions_total{from_state="closed",to_state="open"} 0.0']
+    assert [line for line in expected if line not in exposed.splitlines()] == []

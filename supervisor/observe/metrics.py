@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, PlatformCollector
 
+from outbox.schema import DEAD_REASONS
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600, 21600, 86400)
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20)
 BATCH_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500)
@@ -39,6 +41,12 @@ def package_version() -> str:
 
 def status_class(status: int | None) -> str:
     return "none" if status is None else f"{status // 100}xx"
+
+
+# The series a daemon commonly writes, created at 0 (see Metrics.__init__).
+BREAKER_TRANSITIONS = (("closed", "open"), ("half_open", "open"), ("half_open", "closed"))
+ATTEMPT_SERIES = (("success", "2xx"), ("failed", "3xx"), ("failed", "4xx"), ("failed", "5xx"), ("timeout", "none"),
+                  ("connection_error", "none"))
 
 
 class Metrics:
@@ -120,6 +128,18 @@ class Metrics:
             self.held_fires.labels(outcome=outcome)
         for cause in ("connection", "timeout", "statement", "prepared_statements", "pooler_startup"):
             self.database_errors.labels(cause=cause)
+        # Counters exported at 0 before their first event: a series that appears already at 1
+        # is lost to rate() and increase(), so the first dead letter (OutboxSignatureRejected)
+        # would never alert. Per-tenant series still start with their tenant's first event.
+        for reason in DEAD_REASONS:
+            self.dead_letters.labels(reason=reason)
+        for before, after in BREAKER_TRANSITIONS:
+            self.breaker_transitions.labels(from_state=before, to_state=after)
+        if not per_tenant:
+            for outcome in ("delivered", "dead"):
+                self.deliveries.labels(outcome=outcome)
+            for outcome, status in ATTEMPT_SERIES:
+                self.attempts.labels(outcome=outcome, status_class=status)
         if endpoint_top:
             endpoint = ["tenant", "origin"]
             window = f"over the last {ENDPOINT_WINDOW_SECONDS // 60} minutes, busiest endpoints (sampled)."
