@@ -52,6 +52,7 @@ def json_rows(pg: bool, columns: Sequence[tuple[str, str]]) -> str:
 # fire's URL: once it is removed, paused or moved to another URL (docs/subscribers.md:
 # "nothing more is sent"), no replay sends it there, whatever the fire's own state. SQL on
 # the unaliased outbox_messages, for the replay and the operator's dry run alike.
+NEVER_REPLAYED = ("proof_failed", "cancelled")  # dead reasons no replay undoes (a failed proof, a revocation)
 SUBSCRIBER_REVOKED = """(outbox_messages.subscriber_ref IS NOT NULL
     AND COALESCE(outbox_messages.notification_type, '') <> 'webhook.challenge'
     AND NOT EXISTS (SELECT 1 FROM outbox_subscribers AS s WHERE s.id = outbox_messages.subscriber_ref
@@ -153,7 +154,7 @@ class _Statements:
             WHERE id IN :ids AND state IN ('dead', 'delivered')
               AND (:force OR {DEADLINE} > {now})
               -- never to a URL that failed its proof, nor to a revoked subscriber
-              AND COALESCE(dead_reason, '') NOT IN ('proof_failed', 'cancelled') AND NOT ({SUBSCRIBER_REVOKED})
+              AND COALESCE(dead_reason, '') NOT IN {NEVER_REPLAYED!r} AND NOT ({SUBSCRIBER_REVOKED})
             RETURNING id
         """).bindparams(bindparam("ids", expanding=True))
 

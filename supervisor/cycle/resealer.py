@@ -119,8 +119,8 @@ class Resealer:
         win most due messages only to hold them again, while a daemon that can send them waits."""
         agreed = self.agreed
         lacks = agreed is not None and (self._keys is None or not self._keys.can_open(agreed))
-        others = sorted(r.reader_id for r in ledger.live() if lacks and r.role == "daemon"
-                        and r.reader_id != self._reader_id and agreed in r.key_ids)
+        others = sorted(r.reader_id for r in ledger.live() if r.role == "daemon" and r.reader_id != self._reader_id
+                        and agreed in r.key_ids) if lacks else []
         why = (f"this process lacks the agreed encryption key {agreed}: it leaves deliveries to the daemons that "
                f"open it ({', '.join(others[:3])}); {FIX}") if others else None
         if why is not None and self.yielding is None:

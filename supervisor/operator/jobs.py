@@ -82,7 +82,7 @@ class Selection:
                     m.finished_at <= until, m.id > after,
                     # never what `outboxd replay` refuses (docs/subscribers.md): a URL that failed its
                     # proof, a cancelled message, a fire to a subscriber since removed, paused or moved
-                    m.dead_reason.not_in(("proof_failed", "cancelled")), text(f"NOT {store.SUBSCRIBER_REVOKED}"),
+                    m.dead_reason.not_in(store.NEVER_REPLAYED), text(f"NOT {store.SUBSCRIBER_REVOKED}"),
                     *([m.origin == self.origin] if self.origin else []),
                     *([m.dead_reason == self.reason] if self.reason else []))
 

@@ -221,7 +221,7 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_s
         # paused or moved, is never sent there (docs/subscribers.md, docs/reporting.md).
         item["subscriber_revoked"] = bool(row.subscriber_revoked)
         item["replayable"] = (row.state in ("dead", "delivered") and not row.subscriber_revoked
-                              and row.dead_reason not in ("proof_failed", "cancelled"))
+                              and row.dead_reason not in store.NEVER_REPLAYED)
         result.append(item)
     return result
 
