@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import TextClause, text, tuple_
+from sqlalchemy import ColumnElement, TextClause, and_, case, literal_column, text, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox.schema import PG_NOW, SQLITE_NOW, breaker_transitions, breakers
 
 __all__ = ["BREAKER_COLUMNS", "acquire_probe", "ensure_breakers", "insert_transitions", "lock_breakers",
-           "save_breakers"]
+           "save_breakers", "shown_columns", "state_now"]
 
 BREAKER_COLUMNS = ("state", "failures", "successes", "trips", "open_until", "probe_until", "updated_at",
                    "window_started_at", "window_attempts", "window_failures", "previous_attempts",
@@ -44,6 +44,21 @@ _ACQUIRE_PROBE = {True: _probe_statement(PG_NOW), False: _probe_statement(SQLITE
 
 def _pg(conn: AsyncConnection) -> bool:
     return conn.dialect.name == "postgresql"
+
+
+def state_now(conn: AsyncConnection) -> ColumnElement[str]:
+    """A breaker's state as it acts now, labelled ``state``: an open breaker whose open period
+    has ended admits a probe, so it is half-open, though its row says ``open`` until the claim
+    takes that probe (and an endpoint nothing is sent to any more never takes one). What the
+    gauge, ``breakers list``, ``status``, ``endpoints`` and the console show."""
+    now = literal_column(f"({PG_NOW if _pg(conn) else SQLITE_NOW})")
+    lapsed = and_(breakers.c.state == "open", breakers.c.open_until <= now)
+    return case((lapsed, "half_open"), else_=breakers.c.state).label("state")
+
+
+def shown_columns(conn: AsyncConnection) -> list[Any]:
+    """Every column of ``outbox_breakers``, the state as :func:`state_now` reads it."""
+    return [state_now(conn) if c.name == "state" else c for c in breakers.c]
 
 
 def _insert(conn: AsyncConnection) -> Any:

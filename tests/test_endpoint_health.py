@@ -161,3 +161,31 @@ def test_endpoints_shows_what_the_attempt_log_holds(pg_engine, pg_url, tmp_path,
     assert sum(dead_events) == 5  # one event per window (two if the deaths straddle a window edge)
     bad = procs.outboxd(env, "endpoints", "--window", "3d")
     assert bad.returncode == 2 and "--window" in bad.stderr  # a usage error, as argparse exits
+
+
+async def test_a_breaker_past_its_open_period_reads_half_open_everywhere(pg_engine):
+    """An open breaker whose open period has ended admits a probe: it is half-open although
+    its row says ``open`` until a probe is taken (an endpoint no longer sent to never takes
+    one). The gauge, ``endpoints``, ``breakers list`` and ``status`` say what it does now."""
+    from outbox.schema import breakers
+    from supervisor.operator import ops
+    async_engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            now = await db_now(conn)
+            row = {"failures": 10, "successes": 0, "trips": 1, "updated_at": now - 600}
+            await conn.execute(breakers.insert(), [
+                {**row, "tenant_id": "lapsed", "origin": "https://a.example", "state": "open", "open_until": now - 570},
+                {**row, "tenant_id": "shut", "origin": "https://b.example", "state": "open", "open_until": now + 60}])
+        metrics = Metrics()
+        await sample_gauges(async_engine, metrics)
+        gauge = {state: metrics.registry.get_sample_value("outbox_breakers", {"state": state})
+                 for state in ("closed", "open", "half_open")}
+        assert gauge == {"closed": 0, "open": 1, "half_open": 1}
+        async with async_engine.connect() as conn:
+            listed = {b["tenant_id"]: b["state"] for b in await ops.list_breakers(conn)}
+            shown = {b["tenant_id"]: b["state"] for b in (await ops.status(conn))["open_breakers"]}
+            health = {h.tenant_id: h.breaker_state for h in await endpoint_health(conn, window_seconds=3600)}
+        assert listed == shown == health == {"lapsed": "half_open", "shut": "open"}
+    finally:
+        await async_engine.dispose()

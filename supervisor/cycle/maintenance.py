@@ -24,7 +24,7 @@ from outbox import store
 from outbox.claim_sql import DUE_TABLES
 from outbox.config import Settings
 from outbox.partitions import ensure_attempt_partitions
-from outbox.schema import breakers
+from outbox.breaker_rows import state_now
 from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
 from supervisor.cycle import challenge
@@ -102,7 +102,8 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
     async with engine.connect() as conn:
         pending, in_flight = await store.live_counts(conn)
         oldest, now = await store.next_due_at(conn)
-        states = dict((await conn.execute(select(breakers.c.state, func.count()).group_by(breakers.c.state))).all())
+        state = state_now(conn)
+        states = dict((await conn.execute(select(state, func.count()).group_by(state))).all())
         if metrics.endpoint_top:
             metrics.set_endpoints(await health_stats.endpoint_health(
                 conn, window_seconds=ENDPOINT_WINDOW_SECONDS, limit=metrics.endpoint_top))

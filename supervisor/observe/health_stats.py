@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import and_, delete, func, select, text, true, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from outbox.breaker_rows import state_now
 from outbox.schema import LATENCY_BOUNDS_MS, PG_NOW, SQLITE_NOW, breakers, endpoint_stats
 from outbox.store import json_rows
 from outbox.activity import rfc3339
@@ -216,7 +217,7 @@ async def endpoint_health(conn: AsyncConnection, *, window_seconds: float = 3600
     b = breakers.c
     bscope = and_(true(), *([b.tenant_id == tenant] if tenant else []), *([b.origin == origin] if origin else []),
                   *(tuple_(b.tenant_id, b.origin).in_(keys) for keys in chosen))
-    columns = (b.tenant_id, b.origin, b.state, b.open_until, b.trips)
+    columns = (b.tenant_id, b.origin, state_now(conn), b.open_until, b.trips)
     # Endpoints with an open or half-open breaker are shown even without traffic in the window.
     breaker_rows = {(r.tenant_id, r.origin): r for r in await conn.execute(
         select(*columns).where(bscope, b.state != "closed"))}

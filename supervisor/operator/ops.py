@@ -19,6 +19,7 @@ from outbox import store
 from outbox.activity import rfc3339
 from outbox.masking import REDACTED, is_secret_key
 from outbox.producer import decode_body
+from outbox.breaker_rows import shown_columns
 from outbox.schema import attempts, breakers, messages, subscribers
 from outbox.urls import public_url, redact_urls
 from outbox.sealing import SealError, SealingKeys, plaintext
@@ -118,7 +119,7 @@ async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
     dead = dict((await conn.execute(select(messages.c.dead_reason, func.count())
                                     .where(messages.c.state == "dead").group_by(messages.c.dead_reason))).all())
     oldest, now = await store.next_due_at(conn)
-    open_rows = (await conn.execute(select(breakers).where(breakers.c.state != "closed")
+    open_rows = (await conn.execute(select(*shown_columns(conn)).where(breakers.c.state != "closed")
                                     .order_by(breakers.c.tenant_id, breakers.c.origin))).mappings().all()
     backlog = (await conn.execute(
         select(messages.c.tenant_id, func.count().label("n"))
@@ -227,7 +228,7 @@ async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_s
 
 
 async def list_breakers(conn: AsyncConnection) -> list[dict[str, Any]]:
-    rows = await conn.execute(select(breakers).order_by(breakers.c.tenant_id, breakers.c.origin))
+    rows = await conn.execute(select(*shown_columns(conn)).order_by(breakers.c.tenant_id, breakers.c.origin))
     return [_breaker(r) for r in rows.mappings()]
 
 

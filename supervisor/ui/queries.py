@@ -14,6 +14,7 @@ from sqlalchemy import Table, func, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
+from outbox.breaker_rows import shown_columns
 from outbox.schema import attempts, breakers, messages
 from supervisor.keys import keyring
 from supervisor.operator import ops
@@ -92,9 +93,10 @@ async def endpoints(conn: AsyncConnection, scope: Scope, limit: int) -> tuple[li
         select(messages.c.tenant_id, messages.c.origin, func.count()).where(messages.c.state.in_(BACKLOG))
         .group_by(messages.c.tenant_id, messages.c.origin), scope)) if o is not None}
     keys = list(waiting)
-    chosen = [_narrow(select(breakers).where(breakers.c.state != "closed"), scope, breakers),
-              _narrow(select(breakers), scope, breakers).order_by(breakers.c.updated_at.desc()).limit(limit)]
-    chosen += [select(breakers).where(tuple_(breakers.c.tenant_id, breakers.c.origin).in_(keys[i:i + 500]))
+    shown = shown_columns(conn)
+    chosen = [_narrow(select(*shown).where(breakers.c.state != "closed"), scope, breakers),
+              _narrow(select(*shown), scope, breakers).order_by(breakers.c.updated_at.desc()).limit(limit)]
+    chosen += [select(*shown).where(tuple_(breakers.c.tenant_id, breakers.c.origin).in_(keys[i:i + 500]))
                for i in range(0, len(keys), 500)]
     rows = {(r["tenant_id"], r["origin"]): dict(r) for query in chosen for r in (await conn.execute(query)).mappings()}
     found = [{"tenant_id": t, "origin": o, "backlog": waiting.get((t, o), 0),
@@ -115,7 +117,7 @@ async def state_counts(conn: AsyncConnection, scope: Scope) -> dict[str, int]:
 
 
 async def breaker(conn: AsyncConnection, tenant: str, origin: str) -> dict[str, Any] | None:
-    row = (await conn.execute(select(breakers).where(breakers.c.tenant_id == tenant, breakers.c.origin == origin))
+    row = (await conn.execute(select(*shown_columns(conn)).where(breakers.c.tenant_id == tenant, breakers.c.origin == origin))
            ).mappings().first()
     return None if row is None else ops._breaker(row)
 
