@@ -129,6 +129,14 @@ class _Statements:
         # fold (more than arrive while a claim runs, which the next NOTIFY brings anyway).
         unfolded = f"EXISTS (SELECT 1 FROM outbox_due_arrivals OFFSET {PILE})" if pg else "0"
         self.idle_outlook = text(f"SELECT min(next_attempt_at), {now}, {unfolded} {pending}")
+        # The daemons' own lag: the oldest due message no breaker holds back (an open or
+        # half-open breaker's backlog is that buyer's outage, not the daemons falling behind).
+        self.delivery_lag = text(f"""
+            SELECT min(m.next_attempt_at), {now} FROM outbox_messages AS m
+            WHERE m.state = 'pending' AND m.next_attempt_at <= {now}
+              AND NOT EXISTS (SELECT 1 FROM outbox_breakers AS b WHERE b.tenant_id = m.tenant_id
+                              AND b.origin = m.origin AND b.state <> 'closed')
+        """)
         # Gauges read only the partial indexes of live rows: their cost is what is due,
         # never the history (delivered and dead are counters, outbox_deliveries_total).
         self.live_counts = text("SELECT (SELECT count(*) FROM outbox_messages WHERE state = 'pending'),"
@@ -330,6 +338,13 @@ async def live_counts(conn: AsyncConnection) -> tuple[int, int]:
 async def next_due_at(conn: AsyncConnection) -> tuple[float | None, float]:
     """When the earliest pending message is due, and the database's time now (one query)."""
     due, now = (await conn.execute(sql(conn).next_due)).one()
+    return (None if due is None else float(due)), float(now)
+
+
+async def oldest_unheld_due(conn: AsyncConnection) -> tuple[float | None, float]:
+    """When the earliest due message that no open or half-open breaker holds back became
+    due (``None``: none is due), and the database's time now (one query)."""
+    due, now = (await conn.execute(sql(conn).delivery_lag)).one()
     return (None if due is None else float(due)), float(now)
 
 

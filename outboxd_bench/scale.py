@@ -75,7 +75,7 @@ def _claim_case(bench: Bench, history: int) -> dict[str, Any]:
     # The gauge sampler's statements on outbox_messages (the breakers' count reads its own
     # table), read in the state their times were taken in: the claim samples below roll back
     # their leases, and each leaves a dead entry in the lease index the in-flight count reads.
-    gauge_buffers = sum(_hits(_explain(bench, name, {})[2]) for name in ("live_counts", "next_due"))
+    gauge_buffers = sum(_hits(_explain(bench, name, {})[2]) for name in ("live_counts", "next_due", "delivery_lag"))
     executions, plannings, walls, buffers, plan = measure_claim(bench, SCALE_REPEATS)
     return {
         "history_rows": history, "due_rows": SCALE_DUE_ROWS, "limit": _claim_limit(bench),

@@ -189,3 +189,35 @@ async def test_a_breaker_past_its_open_period_reads_half_open_everywhere(pg_engi
         assert listed == shown == health == {"lapsed": "half_open", "shut": "open"}
     finally:
         await async_engine.dispose()
+
+
+async def test_delivery_lag_leaves_out_the_backlog_a_breaker_holds_back(pg_engine):
+    """One buyer's outage is its breaker's alert, not the daemons' lag: the oldest due message
+    behind a breaker that is not closed counts in ``outbox_oldest_due_message_age_seconds``
+    but not in ``outbox_delivery_lag_seconds``, which is the oldest of the rest (0 when none)."""
+    from outbox.schema import breakers
+    from tests.ledger import enqueue_tasks
+    held = enqueue_tasks(pg_engine, "down", "https://down.example/hook", 3)
+    fine = enqueue_tasks(pg_engine, "up", "https://up.example/hook", 2)
+    async_engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            now = await db_now(conn)
+            await conn.execute(messages.update().where(messages.c.id.in_(held)).values(next_attempt_at=now - 900))
+            await conn.execute(messages.update().where(messages.c.id.in_(fine)).values(next_attempt_at=now - 60))
+            await conn.execute(breakers.insert().values(
+                tenant_id="down", origin="https://down.example", state="open", failures=10, successes=0, trips=1,
+                open_until=now - 5, updated_at=now))
+        metrics = Metrics()
+        await sample_gauges(async_engine, metrics)
+        oldest = metrics.registry.get_sample_value("outbox_oldest_due_message_age_seconds")
+        lag = metrics.registry.get_sample_value("outbox_delivery_lag_seconds")
+        assert 900 <= oldest < 960 and 60 <= lag < 120
+        async with async_engine.begin() as conn:
+            await conn.execute(messages.update().where(messages.c.id.in_(fine)).values(state="delivered",
+                                                                                       finished_at=now))
+        await sample_gauges(async_engine, metrics)
+        assert metrics.registry.get_sample_value("outbox_delivery_lag_seconds") == 0
+        assert metrics.registry.get_sample_value("outbox_oldest_due_message_age_seconds") >= 900
+    finally:
+        await async_engine.dispose()

@@ -102,6 +102,7 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
     async with engine.connect() as conn:
         pending, in_flight = await store.live_counts(conn)
         oldest, now = await store.next_due_at(conn)
+        unheld, _ = await store.oldest_unheld_due(conn)
         state = state_now(conn)
         states = dict((await conn.execute(select(state, func.count()).group_by(state))).all())
         if metrics.endpoint_top:
@@ -110,6 +111,7 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
     metrics.messages.labels(state="pending").set(pending)
     metrics.messages.labels(state="in_flight").set(in_flight)
     metrics.oldest_due_age.set(max(now - oldest, 0.0) if oldest is not None else 0.0)
+    metrics.delivery_lag.set(max(now - unheld, 0.0) if unheld is not None else 0.0)
     for state in ("closed", "open", "half_open"):
         metrics.breakers.labels(state=state).set(states.get(state, 0))
 

@@ -74,6 +74,9 @@ class Metrics:
                               registry=r)
         self.oldest_due_age = Gauge("outbox_oldest_due_message_age_seconds",
                                     "How long the oldest due message has been waiting (sampled).", registry=r)
+        self.delivery_lag = Gauge("outbox_delivery_lag_seconds",
+                                  "How long the oldest due message that no open or half-open breaker holds back "
+                                  "has been waiting: the daemons' own lag (sampled).", registry=r)
         self.dead_letters = Counter("outbox_dead_letters", "Messages that became dead, by reason.", ["reason"],
                                     registry=r)
         self.lease_rescues = Counter("outbox_lease_rescues", "Leases taken back from a daemon that died "
