@@ -87,6 +87,38 @@ def test_replay_exit_status_and_more_matched(engine, capsys, monkeypatch):
                                              "more_matched": 0}
 
 
+def test_a_key_two_tenants_use_replays_only_with_the_tenant_and_long_digit_keys_are_keys(engine, capsys,
+                                                                                         monkeypatch):
+    dead_with_an_attempt(engine, n=2)
+    digits = "12345678901234567890"  # a snowflake-style key, past BIGINT as a number
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox_messages SET tenant_id = 'tenant-1' WHERE id = 2"))
+        conn.execute(text("UPDATE outbox_messages SET idempotency_key = :k"), {"k": digits})
+    url = url_of(engine)
+    code, out, err = cli(capsys, monkeypatch, url, "replay", "--key", digits)
+    assert code == 1 and one_line(err) and "2 tenants use the idempotency key" in err and "replayed" not in out
+    code, out, _ = cli(capsys, monkeypatch, url, "replay", "--key", digits, "--tenant", "tenant-1")
+    assert code == 0 and "replayed 1 message(s): 2" in out
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox_messages SET idempotency_key = 'other' WHERE id = 2"))
+    code, out, _ = cli(capsys, monkeypatch, url, "show", digits, "--json")
+    assert code == 0 and json.loads(out)["id"] == 1
+
+
+def test_a_breaker_of_a_tenant_with_an_at_sign_is_reset_by_the_key_list_prints(engine, capsys, monkeypatch):
+    with engine.begin() as conn:
+        conn.execute(breakers.insert().values(tenant_id="ops@acme.example", origin="http://127.0.0.1:9",
+                                              state="open", failures=10, successes=0, trips=1, open_until=9e9,
+                                              updated_at=1.0))
+    url = url_of(engine)
+    code, out, _ = cli(capsys, monkeypatch, url, "breakers", "list")
+    assert code == 0 and "ops@acme.example@http://127.0.0.1:9" in out
+    code, out, err = cli(capsys, monkeypatch, url, "breakers", "reset", "ops@acme.example@http://127.0.0.1:9")
+    assert code == 0, err
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox_breakers")).scalar_one() == 0
+
+
 def test_migrate_bad_revision_and_a_newer_database(sqlite_engine, tmp_path, capsys, monkeypatch):
     url = url_of(sqlite_engine)
     code, _, err = cli(capsys, monkeypatch, url, "migrate", "--revision", "bogus")

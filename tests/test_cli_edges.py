@@ -116,7 +116,8 @@ def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsy
     from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 
     policy = CircuitBreakerPolicy()  # the defaults: a dead endpoint trips on its 10th failure
-    row, _ = apply_outcomes(closed_row("acme", "https://buyer.example"), [False] * 10, now=100.0, policy=policy)
+    row, _ = apply_outcomes(closed_row("acme", "https://buyer.example"), [False] * 10, now=time.time(),
+                            policy=policy)
     assert row["state"] == "open"
     with sqlite_engine.begin() as conn:
         conn.execute(breakers.insert().values(**row))

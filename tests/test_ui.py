@@ -49,8 +49,19 @@ def test_actions_need_the_token_and_the_csrf_token(pg_engine, console):
     dry = client.post("/replay", data={"id": "1", "csrf": csrf})
     assert dry.status_code == 200 and "1 message(s) would be replayed" in dry.text
     assert replay_state(pg_engine, 1) == ("dead", "scheduled")  # a dry run changes nothing
-    done = client.post("/replay", data={"id": "1", "csrf": csrf, "confirm": "yes"})
-    assert "Replayed 1 message(s)" in done.text and replay_state(pg_engine, 1) == ("pending", "replay")
+    assert client.post("/replay", data={"id": "1", "csrf": csrf, "confirm": "yes"}).status_code == 400  # no token
+    once = re.search(r'name="once" value="([^"]+)"', dry.text).group(1)
+    confirm = {"id": "1", "csrf": csrf, "confirm": "yes", "once": once}
+    done = client.post("/replay", data=confirm)
+    assert done.status_code == 303  # then a page that only reads: a reload replays nothing
+    assert "Replayed 1 message(s)" in client.get(done.headers["location"]).text
+    assert replay_state(pg_engine, 1) == ("pending", "replay")
+    with pg_engine.begin() as conn:  # a daemon delivered the replay; a delivered message may be replayed again
+        conn.execute(messages.update().values(state="delivered", finished_at=2.0))
+    again = client.post("/replay", data=confirm)  # the same confirmation posted again (double click, back button)
+    assert "Replayed 1 message(s)" in client.get(again.headers["location"]).text
+    assert replay_state(pg_engine, 1) == ("delivered", "replay")  # shown what the first did, not done twice
+    assert client.post("/replay", data={"id": "abc", "tenant": "t", "csrf": csrf}).status_code == 400
 
 
 def test_filtered_replay_counts_first_and_caps_at_its_limit(pg_engine, console):

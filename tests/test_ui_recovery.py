@@ -17,7 +17,8 @@ from outbox.config import load_settings
 from outbox.db import make_async_engine
 from outbox.schema import endpoint_stats, jobs, messages
 from supervisor.observe import health_stats
-from supervisor.ui.forms import JOB_RATE_MAX, BadInput, row_id, job_rate, job_selection
+from supervisor.operator.ops import row_id
+from supervisor.ui.forms import JOB_RATE_MAX, BadInput, job_rate, job_selection
 from tests.console_history import ENDPOINTS, OPEN_ENDPOINT, seed
 from tests.console_driver import bucket_bounds, tile
 

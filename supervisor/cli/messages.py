@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import sys
 from typing import Any
@@ -163,11 +164,17 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if result.complete else 1
 
 
+_BREAKER_KEY = re.compile(r"(.+?)@(https?://.*)", re.IGNORECASE | re.DOTALL)
+
+
 def _breaker_key(key: str) -> tuple[str, str]:
-    """``TENANT@ORIGIN`` as the breaker's row key; the origin may be any URL of the endpoint."""
-    tenant, sep, rest = key.partition("@")
+    """``TENANT@ORIGIN`` as the breaker's row key; the origin may be any URL of the endpoint.
+    The tenant ends at the first ``@`` that starts an ``http(s)://`` URL, so a tenant id may
+    hold ``@`` (``ops@acme.example@https://buyer.example``, as ``breakers list`` prints it)."""
+    split = _BREAKER_KEY.match(key)
+    tenant, rest = split.groups() if split else ("", "")
     try:
-        origin = endpoint_origin_arg(rest) if tenant and sep else None
+        origin = endpoint_origin_arg(rest) if tenant else None
     except argparse.ArgumentTypeError:
         origin = None
     if origin is None:

@@ -150,11 +150,29 @@ class AmbiguousReference(ValueError):
     """An idempotency key that several tenants use (keys are per tenant): name the id."""
 
 
+async def one_tenant_uses(conn: AsyncConnection, key: str) -> None:
+    """Raise :class:`AmbiguousReference` when several tenants hold idempotency key ``key``: a
+    replay by key alone would send every tenant's message, each buyer one it never asked for."""
+    tenants = (await conn.execute(select(func.count(func.distinct(messages.c.tenant_id)))
+                                  .where(messages.c.idempotency_key == key))).scalar_one()
+    if tenants > 1:
+        raise AmbiguousReference(f"{tenants} tenants use the idempotency key {key!r} (keys are per tenant): "
+                                 "name the tenant too, or the message ids")
+
+
+def row_id(value: str) -> int | None:
+    """A job's or a message's id as typed; ``None`` for anything that cannot be one ("¹", "0",
+    past BIGINT: ids count from 1). An all-digit idempotency key (a snowflake id) may be
+    longer: it is looked up as a key only."""
+    number = int(value) if value.isascii() and value.isdigit() and 0 < len(value) < 19 else 0
+    return number if number > 0 else None
+
+
 async def find(conn: AsyncConnection, ref: str) -> Any | None:
     """A message by numeric id or by idempotency key (refused when several tenants hold it)."""
     condition = messages.c.idempotency_key == ref
-    if ref.isdigit():
-        condition = or_(messages.c.id == int(ref), condition)
+    if (number := row_id(ref)) is not None:
+        condition = or_(messages.c.id == number, condition)
     rows = (await conn.execute(select(messages).where(condition).order_by(messages.c.id).limit(2))).all()
     if len(rows) > 1:
         raise AmbiguousReference(f"{ref!r} names several messages (keys are per tenant): use the message id")

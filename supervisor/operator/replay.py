@@ -52,6 +52,8 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
     """
     async with engine.begin() as conn:
         more = 0
+        if filters is not None and filters.key and not filters.tenant:
+            await ops.one_tenant_uses(conn, filters.key)
         if filters is not None:
             ids = await ops.select_ids(conn, filters)
             more = max(await ops.count_matching(conn, filters) - len(ids), 0)

@@ -34,13 +34,14 @@ from supervisor.cycle.cutoff import bound_each_hold
 from supervisor.cycle.operator_engine import operator_engine
 from supervisor.observe import health_stats
 from supervisor.operator import ops
-from supervisor.operator.replay import replay
+from supervisor.operator.replay import ReplayResult, replay
 from supervisor.ui import charts, present, queries, recovery
 from supervisor.ui.auth import COOKIE, Sessions
 from supervisor.ui.headers import SecurityHeaders
 from supervisor.ui.forms import (FILTER_FIELDS, HEALTH_WINDOWS, BadInput, filters_from, health_window, page_start,
-                                 replay_limit, row_id)
+                                 replay_limit)
 from supervisor.ui.kit import Kit
+from supervisor.ui.once import Confirmations
 from supervisor.ui.registry import subscribers
 from supervisor.ui.timeseries import DAY, HOUR, Scope, series
 
@@ -89,6 +90,7 @@ async def endpoint_health(conn: AsyncConnection, scope: Scope, endpoints: list[d
 def make_app(settings: Settings, token: str) -> Starlette:
     """The console as an ASGI app, signed in with ``token``."""
     sessions = Sessions(token)
+    confirmations = Confirmations()
     state: dict[str, AsyncEngine] = {}
 
     @asynccontextmanager
@@ -208,8 +210,6 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
         ref = request.path_params["ref"]
-        if ref.isdigit() and not (ref.isascii() and len(ref) < 19):  # "¹", or past BIGINT: no such id
-            return render(request, "error.html", 404, message="No such message.")
         async with state["engine"].connect() as conn:
             try:
                 data = await ops.show(conn, ref, settings.sealing())
@@ -226,7 +226,11 @@ def make_app(settings: Settings, token: str) -> Starlette:
         form = await action_form(request)
         if isinstance(form, Response):
             return form
-        ids = [n for i in form.getlist("id") if isinstance(i, str) and (n := row_id(i)) is not None]
+        typed = [i if isinstance(i, str) else "" for i in form.getlist("id")]
+        ids = [n for i in typed if (n := ops.row_id(i)) is not None]
+        if len(ids) < len(typed):
+            return render(request, "error.html", 400, message="A message to replay is named by its id: "
+                                                              "a whole number from 1.")
         try:
             filters = None if ids else filters_from(form, limit=replay_limit(form.get("limit")))
         except BadInput as exc:
@@ -234,13 +238,42 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if filters is not None and not any(form.get(f) for f in FILTER_FIELDS):
             return render(request, "error.html", 400, message="A replay of matching messages needs at least one "
                                                               "search field filled in.")
-        confirmed = form.get("confirm") == "yes"
-        result = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=not confirmed,
-                              horizon_seconds=settings.retry_horizon_seconds)
+        if filters is not None and filters.key and not filters.tenant:
+            async with state["engine"].connect() as conn:
+                try:
+                    await ops.one_tenant_uses(conn, filters.key)
+                except ops.AmbiguousReference:
+                    return render(request, "error.html", 400, message="Several tenants use that idempotency key: "
+                                                                      "fill in the tenant too, or replay by id.")
+        if form.get("confirm") != "yes":
+            result = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=True,
+                                  horizon_seconds=settings.retry_horizon_seconds)
+            return await replay_page(request, result, once=confirmations.issue())
+        token = str(form.get("once") or "")
+        first, _ = confirmations.spend(token)
+        if first:
+            confirmations.settle(token, await replay(state["engine"], ids=ids, filters=filters, force=False,
+                                                     dry_run=False, horizon_seconds=settings.retry_horizon_seconds))
+        elif confirmations.outcome(token) is None:
+            return render(request, "error.html", 400, message="This confirmation is not one the console issued, "
+                                                              "or it has forgotten it: review the replay again.")
+        return RedirectResponse(f"/replay/done?{urlencode({'once': token})}", status_code=303)
+
+    async def replay_done(request: Request) -> Response:
+        """What a confirmed replay did, shown as often as asked: reading it replays nothing."""
+        if not signed_in(request):
+            return RedirectResponse("/login", status_code=303)
+        result = confirmations.outcome(request.query_params.get("once", ""))
+        if not isinstance(result, ReplayResult):  # unknown, or its first post still acting
+            return render(request, "error.html", 404, message="No finished replay under that confirmation: "
+                                                              "the console may have restarted since.")
+        return await replay_page(request, result)
+
+    async def replay_page(request: Request, result: ReplayResult, once: str | None = None) -> Response:
         async with state["engine"].connect() as conn:
             listed = await queries.messages_by_id(conn, result.replayed)
             now = await store.db_now(conn)
-        return render(request, "replay.html", result=result, listed=listed, now=now)
+        return render(request, "replay.html", result=result, listed=listed, now=now, once=once)
 
     async def reset_breaker(request: Request) -> Response:
         """A reset is asked, confirmed, then done: the first post shows what would be reset."""
@@ -271,6 +304,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
     return Starlette(lifespan=lifespan, middleware=[Middleware(SecurityHeaders)], exception_handlers={DataError: unstorable_value, SQLAlchemyError: database_unavailable}, routes=[
         *recovery.routes(kit),
         Route("/login", login, methods=["GET", "POST"]),
+        Route("/replay/done", replay_done),
         Route("/", overview),
         Route("/endpoint", endpoint),
         Route("/messages", messages),

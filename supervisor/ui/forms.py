@@ -113,13 +113,6 @@ def job_rate(value: Any) -> float:
         raise BadInput(f"“messages a second” {exc}.") from None
 
 
-def row_id(value: str) -> int | None:
-    """A job's or a message's id as typed; ``None`` for anything that cannot be one ("¹", "0",
-    past BIGINT: ids count from 1)."""
-    number = int(value) if value.isascii() and value.isdigit() and 0 < len(value) < 19 else 0
-    return number if number > 0 else None
-
-
 def health_window(value: str | None) -> tuple[str, int]:
     """The endpoint health window asked for (``?window=``): its name and seconds; an hour by default."""
     name = value or "1h"

@@ -18,8 +18,8 @@ from starlette.routing import Route
 from outbox import store
 from outbox.schema import DEAD_REASONS
 from supervisor.operator import jobs
-from supervisor.operator.ops import rfc3339
-from supervisor.ui.forms import JOB_RATE_DEFAULT, BadInput, row_id, job_rate, job_selection
+from supervisor.operator.ops import rfc3339, row_id
+from supervisor.ui.forms import JOB_RATE_DEFAULT, BadInput, job_rate, job_selection
 from supervisor.ui.kit import Kit
 
 JOBS_SHOWN = 50
