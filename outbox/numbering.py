@@ -17,7 +17,7 @@ to save, so both take the same steps one statement at a time.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, bindparam, text
@@ -39,11 +39,13 @@ NUMBER_PLACEHOLDER = 2**63 - 1
 _CLOSE = b"}}"  # the end of ``result`` and of the envelope
 _PLACEHOLDER_END = str(NUMBER_PLACEHOLDER).encode() + _CLOSE
 
-# A new-style stream continues from the counter its pre-0002 key reached (seeded on first
-# use), so a buyer mid-campaign never sees its numbers restart at 1 after the upgrade.
+# A stream continues from the counter an earlier release numbered it under (seeded on first
+# use: its pre-0002 key, or the key of its URL's earlier spelling), so a buyer mid-campaign
+# never sees its numbers restart at 1 after an upgrade.
+SEEDS = 2  # earlier keys a stream may have been numbered under (unused ones are NULL)
 _ALLOCATE = (
     "INSERT INTO outbox_sequences (stream_key, last_value) SELECT :stream_key, "
-    "COALESCE((SELECT last_value FROM outbox_sequences WHERE stream_key = :legacy_key), 0) + 1 {unless} "
+    "COALESCE((SELECT max(last_value) FROM outbox_sequences WHERE stream_key IN (:seed_0, :seed_1)), 0) + 1 {unless} "
     "ON CONFLICT (stream_key) DO UPDATE SET last_value = outbox_sequences.last_value + 1 RETURNING last_value"
 )
 _NEXT_SEQUENCE = text(_ALLOCATE.format(unless=""))
@@ -69,9 +71,17 @@ def with_number(body: bytes, number: int) -> bytes:
     return _head(body) + str(number).encode() + _CLOSE
 
 
-def next_sequence(connection: Connection, key: str, legacy_key: str | None) -> int:
-    """Allocate the stream's next number in the caller's transaction (row lock held to commit)."""
-    return int(connection.execute(_NEXT_SEQUENCE, {"stream_key": key, "legacy_key": legacy_key}).scalar_one())
+def _seeds(seeds: Sequence[str]) -> dict[str, str | None]:
+    if len(seeds) > SEEDS:
+        raise ValueError(f"a stream has at most {SEEDS} earlier keys")
+    padded = [*seeds, *[None] * (SEEDS - len(seeds))]
+    return {f"seed_{i}": seed for i, seed in enumerate(padded)}
+
+
+def next_sequence(connection: Connection, key: str, seeds: Sequence[str]) -> int:
+    """Allocate the stream's next number in the caller's transaction (row lock held to commit);
+    a new stream starts after the highest counter of its ``seeds`` (earlier keys)."""
+    return int(connection.execute(_NEXT_SEQUENCE, {"stream_key": key, **_seeds(seeds)}).scalar_one())
 
 
 def give_back(connection: Connection, key: str, number: int) -> None:
@@ -80,14 +90,14 @@ def give_back(connection: Connection, key: str, number: int) -> None:
 
 
 def store_numbered(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None, *,
-                   stream: str, legacy_stream: str | None, replay: bool) -> EnqueuedMessage:
+                   stream: str, seeds: Sequence[str], replay: bool) -> EnqueuedMessage:
     """Store a rendered report ``row`` (body ending in the placeholder) under its stream's next number.
 
     ``replay``: the caller chose the key, so a stored twin may exist and is returned (or
     raises :class:`IdempotencyConflictError`) before any number is taken.
     """
     if connection.dialect.name == "postgresql" and not seals_body(connection, keys):
-        stored = _in_one_statement(connection, row, keys, stream, legacy_stream)
+        stored = _in_one_statement(connection, row, keys, stream, seeds)
         if stored is not None:
             return stored
         replay = False  # the key's row was gone by the time it was read (purged): a fresh report
@@ -95,7 +105,7 @@ def store_numbered(connection: Connection, row: Mapping[str, Any], keys: Sealing
         replayed = bound_record(connection, row["tenant_id"], row["idempotency_key"], row["material"], keys)
         if replayed is not None:
             return replayed
-    number = next_sequence(connection, stream, legacy_stream)
+    number = next_sequence(connection, stream, seeds)
     numbered = {**row, "body": with_number(row["body"], number), "sequence_number": number}
     new_id = insert_new(connection, numbered, keys)
     if new_id is not None:
@@ -105,12 +115,12 @@ def store_numbered(connection: Connection, row: Mapping[str, Any], keys: Sealing
 
 
 def _in_one_statement(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None,
-                      stream: str, legacy_stream: str | None) -> EnqueuedMessage | None:
+                      stream: str, seeds: Sequence[str]) -> EnqueuedMessage | None:
     """The report stored, or its stored twin; ``None`` when the key was taken but its row is gone."""
     # The body and its digest are made by the statement: no digest of the placeholder's body.
     stored = stored_values(connection, {**row, "body": b""}, keys)
     values = {name: value for name, value in stored.items() if name not in _SPLICED}
-    params = {**values, "stream_key": stream, "legacy_key": legacy_stream, "head": _head(row["body"]),
+    params = {**values, "stream_key": stream, **_seeds(seeds), "head": _head(row["body"]),
               "close": _CLOSE}
     result = connection.execute(_statement(tuple(values)), params).one()
     if result.stored_id is not None:

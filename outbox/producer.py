@@ -36,7 +36,7 @@ from outbox.identity import (
 from outbox.keyset import producer_keys
 from outbox.numbering import NUMBER_PLACEHOLDER, store_numbered
 from outbox.tracecontext import current_traceparent
-from outbox.urls import origin, validate_destination
+from outbox.urls import earlier_spelling, origin, validate_destination
 
 Conn = Connection | Session
 __all__ = ["EnqueuedMessage", "decode_body", "enqueue", "enqueue_delivery_report", "enqueue_task_webhook"]
@@ -308,17 +308,26 @@ def enqueue_delivery_report(
     envelope["result"] = report
     stream = scoped_stream_key(tenant, stream_key) if stream_key else scoped_stream_key(tenant, media_buy_id,
                                                                                         registration.url)
-    # The pre-0002 key, whose counter a new stream continues; never another tenant's scoped key
-    # (a stream_key spelled like one would otherwise continue that tenant's numbers).
-    legacy_stream = stream_key or f"{tenant}:{media_buy_id}:{registration.url}"
-    legacy_stream = None if is_stream_key(legacy_stream) else legacy_stream
+    seeds = _earlier_streams(tenant, media_buy_id, stream_key, as_mapping(reporting_webhook, "reporting_webhook"))
     columns = {"task_id": envelope["task_id"], "task_type": protocol.DELIVERY_TASK_TYPE, "task_status": "completed",
                "notification_type": notification_type, "sequence_key": stream, "horizon_seconds": horizon,
                **_attribution(media_buy_id=media_buy_id, principal_id=owner)}
     row = _row(tenant, registration, key, _render(envelope), envelope, settings, columns)
     connection = _connection(conn)
     return store_numbered(connection, row, producer_keys(connection, settings), stream=stream,
-                          legacy_stream=legacy_stream, replay=idempotency_key is not None)
+                          seeds=seeds, replay=idempotency_key is not None)
+
+
+def _earlier_streams(tenant: str, media_buy_id: str, stream_key: str | None, webhook: Mapping[str, Any]) -> list[str]:
+    """The keys earlier releases numbered this stream under, whose counter it continues: the
+    pre-0002 key (never another tenant's scoped key, which a ``stream_key`` spelled like one
+    would otherwise continue), and for the default stream the key of the URL as releases up to
+    0.2.0 spelled it (the query's escapes as written)."""
+    if stream_key:
+        return [] if is_stream_key(stream_key) else [stream_key]
+    earlier = earlier_spelling(webhook["url"])
+    pre_0002 = f"{tenant}:{media_buy_id}:{earlier}"
+    return [*([] if is_stream_key(pre_0002) else [pre_0002]), scoped_stream_key(tenant, media_buy_id, earlier)]
 
 
 def exact_body(body: bytes, field: str) -> tuple[dict[str, Any], str]:

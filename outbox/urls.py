@@ -153,12 +153,13 @@ def _escape(char: str) -> str:
         raise OutboxValidationError("url", "is not valid Unicode (lone surrogate)") from None
 
 
-def _normalize_escapes(text: str, safe: frozenset[str]) -> str:
+def _normalize_escapes(text: str, safe: frozenset[str], *, normalize: bool = True) -> str:
     """``text`` with every character outside ``safe`` percent-encoded as UTF-8, and its
     existing escapes normalized as the AdCP verifiers do (RFC 3986 §6.2.2.2): hex uppercased,
     escaped unreserved characters decoded. In the path and in the query alike: the
     TypeScript verifier normalizes the whole URL it rebuilds ``@target-uri`` from, and the
     Python one rebuilds it from what arrives, so only a normalized spelling verifies with both.
+    ``normalize=False`` keeps the escapes as written (:func:`earlier_spelling`).
     """
     if _STRAY_PERCENT.search(text):
         raise OutboxValidationError("url", "has a '%' that does not start a %XX escape: write it as %25")
@@ -169,7 +170,7 @@ def _normalize_escapes(text: str, safe: frozenset[str]) -> str:
         if char == "%":
             escape = text[i : i + 3]
             decoded = chr(int(escape[1:], 16))
-            out.append(decoded if decoded in _UNRESERVED else escape.upper())
+            out.append((decoded if decoded in _UNRESERVED else escape.upper()) if normalize else escape)
             i += 3
             continue
         out.append(char if char in safe else _escape(char))
@@ -236,6 +237,17 @@ def canonicalize_url(url: str) -> str:
     path = _canonical_path(parts.path)
     query = _normalize_escapes(parts.query, _QUERY_SAFE)
     return urlunsplit((scheme, netloc, path, query, ""))
+
+
+def earlier_spelling(url: str) -> str:
+    """``url`` as releases up to 0.2.0 canonicalized it: as :func:`canonicalize_url` does, but
+    the query's escapes kept as written and ``'`` left as it is. Those releases numbered a
+    delivery report's default stream under this spelling (tenant + media buy + URL), so a
+    stream to such a URL continues from there (``outbox.producer``); for most URLs it is the
+    canonical spelling itself."""
+    canonical = urlsplit(canonicalize_url(url))
+    earlier = _normalize_escapes(urlsplit(url).query, _QUERY_SAFE | frozenset("'"), normalize=False)
+    return urlunsplit(canonical._replace(query=earlier))
 
 
 def authority(canonical_url: str) -> str:

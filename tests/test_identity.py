@@ -146,6 +146,25 @@ def test_a_stream_continues_from_its_pre_upgrade_counter(engine, report_settings
         assert _report(conn, report_settings, stream_key="legacy-stream").sequence_number == 8
 
 
+@pytest.mark.parametrize("written", ["scoped", "pre-0002"])
+def test_a_stream_to_a_url_whose_query_spelling_changed_continues_its_numbers(engine, report_settings, written):
+    """Releases up to 0.2.0 kept the query's escapes as given (``%7e``, ``'``); the query is now
+    normalized (``~``, ``%27``), and with it the default stream's key. The stream continues
+    from the counter it reached under the earlier spelling: no number is repeated."""
+    given = "https://buyer.example.com/reports?sig=%7e&who=o'brien&x=%2f"
+    earlier = given  # what those releases stored: the escapes byte for byte, ' unescaped
+    key = stream_key("t1", "mb_1", earlier) if written == "scoped" else f"t1:mb_1:{earlier}"
+    with engine.begin() as conn:
+        conn.execute(sequences.insert(), [{"stream_key": key, "last_value": 3}])
+    with engine.begin() as conn:
+        numbers = [_report(conn, report_settings, reporting_webhook={**REPORTING, "url": given}).sequence_number
+                   for _ in range(2)]
+    assert numbers == [4, 5]
+    with engine.begin() as conn:  # another spelling of the same URL, as the producer now writes it
+        same = {**REPORTING, "url": "https://buyer.example.com/reports?sig=~&who=o%27brien&x=%2F"}
+        assert _report(conn, report_settings, reporting_webhook=same).sequence_number == 6
+
+
 def test_a_row_without_a_digest_is_judged_by_its_stored_content(engine, settings):
     """Plain-SQL producers and older releases leave binding_digest NULL: compare what is stored."""
     url = "https://buyer.example.com/hooks?channel=1"
