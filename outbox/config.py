@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from outbox.config_values import ENV_PREFIX, coerce
 from outbox.errors import ConfigurationError
 from outbox.sealing import SealingKeys, sealing_keys
-from outbox.urls import Network
+from outbox.urls import Network, origin
 
 # OUTBOX_ variables that are not settings but are read all the same.
 OTHER_VARIABLES = frozenset({"OUTBOX_CONFIG"})
@@ -31,6 +31,8 @@ SECRET_SETTINGS = frozenset({"encryption_key", "encryption_old_keys", "ui_token"
 MASK = "****"
 # docs/protocol.md, "Retry horizon": delivery_retry_horizon_seconds is 86400..604800.
 MIN_HORIZON = 86_400
+# docs/protocol.md, "Signing": buyers may cache the seller's JWKS this long.
+JWKS_CACHE_CEILING = 1800
 MAX_HORIZON = 604_800
 MIN_ACTIVITY_RETENTION_DAYS = 30  # webhook-activity-record: retained >= 30 days after completed_at
 
@@ -197,8 +199,9 @@ class Settings:
             if getattr(self, high) < getattr(self, low):
                 raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
         if not _DATABASE_URL.match(self.database_url):  # the scheme only: the rest may hold a password
-            raise ConfigurationError("OUTBOX_DATABASE_URL must be a postgresql:// or sqlite:/// URL, got one "
-                                     f"starting {self.database_url.partition('://')[0][:20]!r}")
+            scheme = _SCHEME.match(self.database_url)
+            raise ConfigurationError("OUTBOX_DATABASE_URL must be a postgresql:// or sqlite:/// URL, got "
+                                     + (f"one of scheme {scheme.group(1)[:20]!r}" if scheme else "no scheme://"))
         if self.encryption_old_keys and self.encryption_key is None:  # they would be ignored: sealed rows held
             raise ConfigurationError(
                 "OUTBOX_ENCRYPTION_OLD_KEYS is set without OUTBOX_ENCRYPTION_KEY: old keys only open what they "
@@ -209,7 +212,7 @@ class Settings:
                 f"OUTBOX_DATABASE_POOLER must be none or transaction, got {self.database_pooler!r} (behind "
                 "PgBouncer in any pool mode, transaction; behind a session pooler that passes libpq's options "
                 "through, none)")
-        if self.listen_database_url is not None and not self.listen_database_url.startswith("postgresql"):
+        if self.listen_database_url is not None and not _POSTGRESQL_URL.match(self.listen_database_url):
             raise ConfigurationError("OUTBOX_LISTEN_DATABASE_URL must be a postgresql:// URL (a direct connection "
                                      "for LISTEN)")
         if self.tls_trust not in ("certifi", "system"):
@@ -246,6 +249,8 @@ class Settings:
 
 
 _DATABASE_URL = re.compile(r"(?:postgresql|sqlite)(?:\+\w+)?://", re.IGNORECASE)
+_POSTGRESQL_URL = re.compile(r"postgresql(?:\+\w+)?://", re.IGNORECASE)
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def parse_addr(addr: str, variable: str, *, lowest_port: int = 0) -> tuple[str, int]:
@@ -293,8 +298,7 @@ def load_settings(
             raise ConfigurationError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigurationError(f"config file {path} is not valid TOML: {exc}") from None
-        section = data.get("outbox", data)
-        for key, raw in section.items():
+        for key, raw in _file_settings(path, data).items():
             if key not in known:
                 raise ConfigurationError(f"config file {path}: unknown setting {key!r}{did_you_mean(key, known)}")
             values[key] = coerce(key, known[key], raw)
@@ -305,7 +309,13 @@ def load_settings(
     for message in unknown_variables(env):
         warnings.warn(message, ConfigurationWarning, stacklevel=2)
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**values)
+    settings = Settings(**values)
+    if settings.key_cache_window_seconds < JWKS_CACHE_CEILING:
+        warnings.warn(f"OUTBOX_KEY_CACHE_WINDOW_SECONDS={settings.key_cache_window_seconds:g} is below the "
+                      f"{JWKS_CACHE_CEILING} s AdCP lets buyers cache a JWKS: a promoted key may sign before "
+                      "buyers fetch it, and a retired one be unpublished while they still use it (their "
+                      "verifiers then reject the webhooks)", ConfigurationWarning, stacklevel=2)
+    return settings
 
 
 class ConfigurationWarning(UserWarning):
@@ -331,6 +341,23 @@ def did_you_mean(name: str, valid: Any) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+def _file_settings(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a TOML file: its top-level keys and those of its ``[outbox]`` table
+    (``[outbox.tenant_signing_keys]`` makes one), each given once."""
+    table = data.get("outbox", {})
+    if not isinstance(table, dict):
+        raise ConfigurationError(f"config file {path}: outbox must be a table ([outbox]), not a value")
+    top = {k: v for k, v in data.items() if k != "outbox"}
+    twice = sorted(set(top) & set(table))
+    if twice:
+        raise ConfigurationError(f"config file {path}: {twice[0]!r} is set twice, at the top and in [outbox]")
+    return {**top, **table}
+
+
+# libpq parameters a database URL's query may carry that are secrets.
+_QUERY_SECRETS = frozenset({"password", "sslpassword"})
+
+
 def effective(settings: Settings) -> dict[str, Any]:
     """Every setting as ``outboxd config`` prints it: secrets masked, values in their TOML form."""
     from sqlalchemy.engine import make_url
@@ -340,7 +367,11 @@ def effective(settings: Settings) -> dict[str, Any]:
         if name in SECRET_SETTINGS:
             value = MASK if value else None
         elif name in ("database_url", "listen_database_url") and value:
-            value = make_url(value).render_as_string(hide_password=True)
+            url = make_url(value)
+            url = url.update_query_dict({k: MASK for k in url.query if k.lower() in _QUERY_SECRETS}, append=False)
+            value = url.render_as_string(hide_password=True)
+        elif name == "operator_events_url" and value:  # a chat webhook's path is its secret
+            value = f"{origin(value)}/{MASK}"
         elif name == "allowed_cidrs":
             value = [str(n) for n in value]
         elif name == "tenant_signing_keys":

@@ -95,7 +95,7 @@ def coerce(name: str, annotation: str, raw: Any) -> Any:
         return _parse_encryption_key(raw)
     if name == "encryption_old_keys":
         return _parse_old_keys(raw)
-    if name == "database_url":
+    if name in ("database_url", "listen_database_url"):
         return normalize_database_url(str(raw))
     if name in ("sinks", "operator_event_sinks"):
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")

@@ -64,6 +64,18 @@ def current_revision(connection: Connection) -> str | None:
     return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE}).get_current_revision()
 
 
+def _check_target(revision: str, before: str | None) -> None:
+    """Refuse a target that is not one of this release's revisions, or older than the
+    database's (Alembic would do nothing, and say nothing): migrations only go forward."""
+    lineage = [r.revision for r in reversed(list(_script().walk_revisions()))]  # oldest first
+    if revision != "head" and revision not in lineage:
+        raise ConfigurationError(f"--revision {revision!r} is not a revision of this release: "
+                                 f"head, or one of {lineage[0]} .. {lineage[-1]}")
+    if before is not None and revision != "head" and lineage.index(revision) < lineage.index(before):
+        raise ConfigurationError(f"--revision {revision!r} is older than the database's {before}: migrations only "
+                                 "go forward (to go back, restore a backup taken before the upgrade)")
+
+
 def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
     """Upgrade the outbox tables to ``revision``; return (revision before, revision after).
 
@@ -75,6 +87,7 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
         before = current_revision(connection)
         if before is not None and before not in known_revisions():
             return before, before
+        _check_target(revision, before)
         try:
             command.upgrade(alembic_config(connection), revision)
         except CommandError as exc:

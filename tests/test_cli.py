@@ -119,6 +119,22 @@ def test_a_breaker_of_a_tenant_with_an_at_sign_is_reset_by_the_key_list_prints(e
         assert conn.execute(text("SELECT count(*) FROM outbox_breakers")).scalar_one() == 0
 
 
+@pytest.mark.parametrize("args", [("replay", "99999999999999999999"), ("show", "99999999999999999999"),
+                                  ("status", "--top", "99999999999999999999"), ("recover", "show", "9" * 20)])
+def test_a_number_past_the_databases_range_is_a_usage_error(engine, capsys, monkeypatch, args):
+    code, out, err = cli(capsys, monkeypatch, url_of(engine), *args)
+    assert code in (1, 2) and one_line(err) and "Traceback" not in err, err
+    assert code == 2 or "no message with id or idempotency key" in err
+
+
+def test_migrate_refuses_a_target_that_is_not_ahead_in_one_line(engine, capsys, monkeypatch):
+    url = url_of(engine)
+    for revision, words in (("", "not a revision of this release"), ("head+1", "not a revision of this release"),
+                            ("0013_cancelled_reason", "older than the database's")):
+        code, out, err = cli(capsys, monkeypatch, url, "migrate", "--revision", revision)
+        assert code == 1 and one_line(err) and words in err and out == "", (revision, err)
+
+
 def test_migrate_bad_revision_and_a_newer_database(sqlite_engine, tmp_path, capsys, monkeypatch):
     url = url_of(sqlite_engine)
     code, _, err = cli(capsys, monkeypatch, url, "migrate", "--revision", "bogus")

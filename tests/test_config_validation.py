@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import typing
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def test_addresses_that_are_legal() -> None:
     assert load_settings(env={"OUTBOX_METRICS_ADDR": ""}).metrics_addr in ("", None)  # empty: no endpoint
 
 
-@pytest.mark.parametrize("raw", ["", "outbox.db", "mysql://u:hunter2@db/outbox", "postgresql:/host/db"])
+@pytest.mark.parametrize("raw", ["", "outbox.db", "mysql://u:hunter2@db/outbox", "postgresql:/host/db",
+                                 "admin:hunter2@db.internal:5432/outbox", "hunter2"])
 def test_a_database_url_that_is_not_one_is_refused_naming_the_variable_not_its_secret(raw: str) -> None:
     with pytest.raises(ConfigurationError) as caught:
         load_settings(env={"OUTBOX_DATABASE_URL": raw})
@@ -98,6 +100,51 @@ def test_database_urls_of_both_databases_and_their_drivers_are_legal() -> None:
     for raw in ("sqlite:///outbox.db", "sqlite://", "postgresql://u@h/db", "postgres://u@h/db",
                 "postgresql+psycopg://u@h/db", "SQLite:///x.db"):
         assert load_settings(env={"OUTBOX_DATABASE_URL": raw}).database_url
+
+
+def test_database_urls_read_postgres_as_postgresql_for_listening_too() -> None:
+    settings = load_settings(env={"OUTBOX_DATABASE_URL": "postgres://u@h/db",
+                                  "OUTBOX_LISTEN_DATABASE_URL": "postgres://u@h:5433/db"})
+    assert settings.listen_database_url == "postgresql://u@h:5433/db"
+    with pytest.raises(ConfigurationError, match="OUTBOX_LISTEN_DATABASE_URL"):
+        load_settings(env={"OUTBOX_DATABASE_URL": "postgres://u@h/db", "OUTBOX_LISTEN_DATABASE_URL": "postgresqlx://h"})
+
+
+def test_top_level_settings_and_an_outbox_table_in_one_file_are_all_read(tmp_path: Path) -> None:
+    """Settings are top-level keys, keys of ``[outbox]``, or both: ``[outbox.tenant_signing_keys]``
+    beside top-level keys must not make the file's other settings vanish."""
+    path = tmp_path / "outbox.toml"
+    path.write_text('database_url = "postgresql://u@h/db"\nconcurrency = 7\nallow_http = true\n'
+                    '[outbox.tenant_signing_keys]\nacme = { file = "k.pem", key_id = "acme-1" }\n')
+    settings = load_settings(path, env={})
+    assert (settings.database_url, settings.concurrency, settings.allow_http) == ("postgresql://u@h/db", 7, True)
+    assert settings.tenant_signing_keys == {"acme": ("k.pem", "acme-1")}
+    path.write_text('concurrency = 7\n[outbox]\nconcurrency = 8\n')
+    with pytest.raises(ConfigurationError, match="concurrency.*twice"):
+        load_settings(path, env={})
+    for body in ("outbox = 5\n", 'outbox = "x"\n'):
+        path.write_text(body)
+        with pytest.raises(ConfigurationError, match="must be a table"):
+            load_settings(path, env={})
+
+
+def test_config_masks_every_secret_a_url_setting_can_hold() -> None:
+    from outbox.config import effective
+    shown = json.dumps(effective(load_settings(env={
+        "OUTBOX_DATABASE_URL": "postgresql+psycopg://u:hunter1@h/db?password=hunter2&sslmode=require",
+        "OUTBOX_OPERATOR_EVENTS_URL": "https://hooks.slack.com/services/T000/B000/hunter3?token=hunter4",
+    })))
+    assert not any(f"hunter{i}" in shown for i in range(1, 5)), shown
+    assert "sslmode=require" in shown and "https://hooks.slack.com/" in shown
+
+
+def test_a_key_cache_window_below_the_adcp_ceiling_is_warned_about() -> None:
+    from outbox.config import ConfigurationWarning
+    with pytest.warns(ConfigurationWarning, match="below the 1800 s AdCP lets buyers cache a JWKS"):
+        load_settings(env={"OUTBOX_KEY_CACHE_WINDOW_SECONDS": "0"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_settings(env={"OUTBOX_KEY_CACHE_WINDOW_SECONDS": "1800"})
 
 
 def test_toml_numbers_are_checked_alike(tmp_path: Path) -> None:

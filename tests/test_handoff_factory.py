@@ -93,6 +93,9 @@ def test_a_factory_that_fails_to_import_stops_the_daemon_with_one_line(sqlite_ur
     ("plain_factory:missing", "def build(settings):\n    return []\n", "cannot be loaded"),
     ("plain_factory:build", "def build(settings):\n    return []\n", "returned list, not an outbox.reporting"),
     ("plain_factory:build", "async def build(settings):\n    return 'x'\n", "returned str, not an outbox.reporting"),
+    ("plain_factory:build", "import os\ndef build(settings):\n    return os.environ['UNSET_SELLER_DSN_XYZ']\n",
+     "failed: KeyError: 'UNSET_SELLER_DSN_XYZ'"),
+    ("json:dumps", None, "failed: TypeError: Object of type Settings is not JSON serializable"),
 ])
 def test_a_factory_that_cannot_be_used_is_a_configuration_error(tmp_path, monkeypatch, path, module, said):
     if module is not None:

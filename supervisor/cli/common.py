@@ -64,6 +64,9 @@ def parse_time(text: str) -> float:
     return when
 
 
+BIGINT_MAX = 2**63 - 1
+
+
 def positive_int(text: str) -> int:
     """An argparse type for counts and sizes: a whole number of at least 1."""
     try:
@@ -72,6 +75,8 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value > BIGINT_MAX:  # ids and counts are BIGINT in the database (SQLite: an OverflowError)
+        raise argparse.ArgumentTypeError(f"must be at most {BIGINT_MAX}, got {text!r}")
     return value
 
 

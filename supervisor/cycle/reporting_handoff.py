@@ -35,9 +35,13 @@ async def build_handoffs(settings: Settings) -> tuple[ReportingHandoff, ...]:
         factory = getattr(await asyncio.to_thread(importlib.import_module, module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError(f"OUTBOX_REPORTING_HANDOFF {path!r} cannot be loaded: {exc}") from None
-    built: Any = factory(settings)
-    if inspect.isawaitable(built):
-        built = await built
+    try:
+        built: Any = factory(settings)
+        if inspect.isawaitable(built):
+            built = await built
+    except Exception as exc:  # the seller's code: one line naming it, not a traceback of it
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise ConfigurationError(f"OUTBOX_REPORTING_HANDOFF {path!r} failed: {type(exc).__name__}: {first}") from None
     handoffs = tuple(built) if isinstance(built, (list, tuple)) else (built,)
     if not handoffs or not all(isinstance(h, ReportingHandoff) for h in handoffs):
         raise ConfigurationError(f"OUTBOX_REPORTING_HANDOFF {path!r} returned {type(built).__name__}, not "
