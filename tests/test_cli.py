@@ -19,7 +19,7 @@ from outbox.schema import DEAD_REASONS, breakers
 from supervisor.cli import build_parser, main
 from tests import procs
 from tests.cli_calls import cli, dead_with_an_attempt, one_line, url_of
-from tests.ledger import THROWAWAY_KEY
+from tests.ledger import THROWAWAY_KEY, enqueue_many
 
 ROOT = Path(__file__).resolve().parent.parent
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
@@ -103,6 +103,16 @@ def test_a_key_two_tenants_use_replays_only_with_the_tenant_and_long_digit_keys_
         conn.execute(text("UPDATE outbox_messages SET idempotency_key = 'other' WHERE id = 2"))
     code, out, _ = cli(capsys, monkeypatch, url, "show", digits, "--json")
     assert code == 0 and json.loads(out)["id"] == 1
+
+
+def test_origin_selects_one_endpoint_where_a_url_substring_takes_its_neighbours(engine, capsys, monkeypatch):
+    enqueue_many(engine, "http://127.0.0.1:2808", ["/a"])
+    enqueue_many(engine, "http://127.0.0.1:28081", ["/b"])
+    url = url_of(engine)
+    code, out, _ = cli(capsys, monkeypatch, url, "list", "--url", "127.0.0.1:2808", "--json")
+    assert [m["id"] for m in json.loads(out)] == [1, 2]
+    code, out, _ = cli(capsys, monkeypatch, url, "list", "--origin", "http://127.0.0.1:2808/x", "--json")
+    assert code == 0 and [m["id"] for m in json.loads(out)] == [1]
 
 
 def test_a_breaker_of_a_tenant_with_an_at_sign_is_reset_by_the_key_list_prints(engine, capsys, monkeypatch):

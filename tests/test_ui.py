@@ -81,6 +81,28 @@ def test_filtered_replay_counts_first_and_caps_at_its_limit(pg_engine, console):
     assert confirm_ids == ["1", "2"]  # the confirmation replays exactly what the dry run counted
 
 
+def test_an_endpoints_links_and_searches_match_that_endpoint_and_that_tenant_exactly(pg_engine, console):
+    """An origin is no substring of another (``:2808`` of ``:28081``) and a tenant id is no
+    other spelling of one (``acme `` is not ``acme``): the endpoint page's links, the search
+    and "Replay matching" select exactly its messages."""
+    enqueue_many(pg_engine, "http://127.0.0.1:2808", ["/a", "/b"])
+    enqueue_many(pg_engine, "http://127.0.0.1:28081", ["/c"])
+    with pg_engine.begin() as conn:
+        conn.execute(messages.update().values(state="dead", dead_reason="gone", finished_at=1.0, retry_until=9e9))
+        conn.execute(messages.update().where(messages.c.id == 2).values(tenant_id="tenant-0 "))
+    client, csrf = signed_in(console)
+    page = client.get("/endpoint", params={"tenant": "tenant-0", "origin": "http://127.0.0.1:2808"}).text
+    links = re.findall(r'href="(/messages\?[^"]*origin=[^"]*)"', page)
+    assert links and all("url=" not in link for link in links)
+    dead = client.get(next(link for link in links if "state=dead" in link).replace("&amp;", "&")).text
+    assert re.findall(r'href="/messages/(\d+)"', dead) == ["1"]
+    for tenant, expected in (("tenant-0", ["1", "3"]), ("tenant-0 ", ["2"])):
+        found = client.get("/messages", params={"tenant": tenant, "state": "dead"}).text
+        assert sorted(re.findall(r'href="/messages/(\d+)"', found)) == expected, tenant
+    dry = client.post("/replay", data={"csrf": csrf, "tenant": "tenant-0", "origin": "http://127.0.0.1:2808/any"})
+    assert re.findall(r'name="id" value="(\d+)"', dry.text) == ["1"]
+
+
 @needs_chromium
 def test_dead_message_found_by_search_and_replayed_from_the_browser(pg_engine, pg_url, tmp_path, console):
     from selenium.webdriver.common.by import By

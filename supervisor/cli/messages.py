@@ -83,7 +83,7 @@ def filters_of(args: argparse.Namespace) -> Any:
     from supervisor.operator.ops import Filters
 
     return Filters(state=args.state, reason=args.reason, tenant=args.tenant, key=args.key, url=args.url,
-                   since=args.since, until=args.until, limit=args.limit)
+                   origin=args.origin, since=args.since, until=args.until, limit=args.limit)
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -136,9 +136,10 @@ def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor.operator.replay import replay
 
-    filtered = any((args.state, args.reason, args.tenant, args.key, args.url, args.since, args.until))
+    filtered = any((args.state, args.reason, args.tenant, args.key, args.url, args.origin, args.since, args.until))
     if not args.ids and not filtered:
-        raise UsageError("name message ids or at least one filter (--state, --reason, --tenant, --key, --url, --since)")
+        raise UsageError("name message ids or at least one filter (--state, --reason, --tenant, --key, --url, "
+                         "--origin, --since)")
     if args.ids and filtered:
         raise UsageError("name message ids or filters, not both")
     if args.force:
@@ -253,6 +254,9 @@ def _filter_flags(p: argparse.ArgumentParser, limit: int) -> None:
     p.add_argument("--tenant", help="tenant id")
     p.add_argument("--key", help="idempotency key")
     p.add_argument("--url", help="substring of the webhook URL")
+    p.add_argument("--origin", type=endpoint_origin_arg,
+                   help="the endpoint: any URL of it, matched by its origin exactly (a substring --url also "
+                        "matches https://buyer.example.com:8443 for https://buyer.example.com)")
     p.add_argument("--since", type=parse_time, help="created at or after (ISO time, or a duration ago: 2h)")
     p.add_argument("--until", type=parse_time, help="created before (ISO time, or a duration ago)")
     p.add_argument("--limit", type=positive_int, default=limit, help=f"at most this many (default {limit})")

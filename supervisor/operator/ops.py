@@ -67,6 +67,7 @@ class Filters:
     tenant: str | None = None
     key: str | None = None  # idempotency key
     url: str | None = None  # substring of the URL as shown (no query: it may hold the buyer's secrets)
+    origin: str | None = None  # the endpoint's origin, exactly (``outbox.urls.origin``)
     since: float | None = None  # created_at >= since (epoch seconds)
     until: float | None = None
     limit: int = 100
@@ -87,6 +88,8 @@ class Filters:
             conditions.append(messages.c.idempotency_key == self.key)
         if self.url:
             conditions.append(_PublicUrl(messages.c.url).contains(self.url, autoescape=True))
+        if self.origin:
+            conditions.append(messages.c.origin == self.origin)
         if self.since is not None:
             conditions.append(messages.c.created_at >= self.since)
         if self.until is not None:

@@ -14,7 +14,7 @@ from supervisor.operator import jobs, ops
 from supervisor.cli.common import endpoint_origin_arg, parse_time
 from supervisor.ui.present import label
 
-FILTER_FIELDS = ("tenant", "key", "url", "state", "reason", "since", "until")
+FILTER_FIELDS = ("tenant", "key", "url", "origin", "state", "reason", "since", "until")
 REPLAY_LIMIT_MAX = 10_000
 REPLAY_LIMIT_DEFAULT = 1000
 JOB_RATE_MAX = jobs.MAX_RATE  # as `outboxd recover start --rate`
@@ -50,8 +50,15 @@ def _origin(value: str | None) -> str | None:
         raise BadInput("Origin: write the endpoint's URL, like https://buyer.example.com.") from None
 
 
+# Fields taken exactly as typed: a tenant id may begin or end with a space the producer took,
+# and trimming it would select another tenant's messages.
+_EXACT = frozenset({"tenant"})
+
+
 def _fields(params: Any, names: tuple[str, ...]) -> dict[str, str | None]:
-    return {f: (params.get(f) or "").strip() or None for f in names}
+    """The named fields, empty ones ``None``; trimmed, except those of :data:`_EXACT`."""
+    values = {f: params.get(f) or "" for f in names}
+    return {f: (v if f in _EXACT else v.strip()) or None for f, v in values.items()}
 
 
 def filters_from(params: Any, limit: int = 100) -> ops.Filters:
@@ -60,7 +67,7 @@ def filters_from(params: Any, limit: int = 100) -> ops.Filters:
     times = {name: _time(v, name.capitalize()) if (v := values[name]) else None for name in ("since", "until")}
     return ops.Filters(state=_choice(values["state"], STATES, "State"),
                        reason=_choice(values["reason"], DEAD_REASONS, "Reason"),
-                       tenant=values["tenant"], key=values["key"], url=values["url"],
+                       tenant=values["tenant"], key=values["key"], url=values["url"], origin=_origin(values["origin"]),
                        since=times["since"], until=times["until"], limit=limit)
 
 
