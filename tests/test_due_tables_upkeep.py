@@ -241,3 +241,18 @@ def test_messages_behind_endpoints_with_nothing_pending_are_delivered_without_a_
         finally:
             procs.stop(daemon)
     print(f"\n{total} delivered {took:.1f} s after their enqueue, behind {stale:,} endpoints with nothing pending")
+
+
+def test_the_daemons_own_engine_vacuums_on_its_first_connection(pg_engine, pg_url) -> None:
+    """Each new connection of the daemon's engine is checked for its startup options first;
+    the check must leave no transaction open, or the vacuum on that connection (which needs
+    autocommit) fails until the pool hands out another."""
+    from outbox.config import Settings
+    from supervisor.cycle.daemon import daemon_engine
+
+    _burst(pg_engine, 20)
+    engine = daemon_engine(Settings(database_url=pg_url))
+    try:
+        assert "outbox_due_arrivals" in asyncio.run(vacuum_due_tables(engine, dead_rows=0))
+    finally:
+        asyncio.run(engine.dispose())

@@ -111,6 +111,9 @@ def check_each_connection(engine: AsyncEngine, settings: Settings) -> None:
             row = cursor.fetchone()
         finally:
             cursor.close()
+            # The check's transaction ends here: a connection handed out "in transaction"
+            # cannot be switched to autocommit (the due tables' vacuum needs it).
+            dbapi_connection.rollback()
         check_startup_options(row[0] if row else None)
 
 
