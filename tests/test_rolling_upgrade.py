@@ -76,6 +76,29 @@ def test_a_database_too_new_for_the_daemon_is_refused_in_one_line(previous_relea
     assert f"database schema is at {head_revision()}, newer than this outboxd ({old_head})" in run.stderr
 
 
+def test_a_running_daemon_stops_in_one_line_once_the_database_is_too_new_for_it(previous_release, pg_engine,
+                                                                                pg_url, tmp_path):
+    """A migration that breaks older readers may run while an old daemon delivers (migrate
+    first is the documented order): that daemon stops claiming and exits 1 with the line it
+    would refuse to start with, rather than write to a schema it cannot read."""
+    old_root, old_head = previous_release
+    key, jwks = procs.make_key(tmp_path)
+    with procs.receiver(tmp_path, jwks, verifier="library") as (receiver_port, log):
+        enqueue_many(pg_engine, f"http://127.0.0.1:{receiver_port}", ["/ok"])
+        daemon = start(old_root, procs.daemon_env(pg_url, key), tmp_path / "old.log")
+        try:
+            assert procs.wait_until(lambda: finished(pg_engine, 1), 40), (tmp_path / "old.log").read_text()[-800:]
+            with pg_engine.begin() as conn:
+                conn.execute(text("UPDATE outbox_schema_compat SET min_reader_revision = :rev"),
+                             {"rev": head_revision()})
+            assert daemon.wait(30) == 1
+        finally:
+            procs.stop(daemon)
+    last = (tmp_path / "old.log").read_text().splitlines()[-1]
+    assert last == (f"outboxd run: database schema is at {head_revision()}, newer than this outboxd ({old_head}) "
+                    "can read: upgrade outboxd")
+
+
 def test_a_daemon_waits_for_a_database_behind_it_then_runs(previous_release, tmp_path):
     _, old_head = previous_release
     url = f"sqlite:///{tmp_path / 'behind.db'}"

@@ -171,6 +171,21 @@ class Daemon:
             await self._clock_skewed(exc)
             raise
 
+    async def _watch_schema(self) -> None:
+        """Stop once the database has moved past what this release can read (a migration that
+        breaks older readers ran while it delivered), with the line a start would refuse with:
+        writing rows a newer schema reads otherwise is what the compatibility record forbids.
+        A check that fails is an outage the other loops count: it is simply tried again."""
+        while True:
+            await asyncio.sleep(SCHEMA_POLL_SECONDS)
+            try:
+                check = await _schema_check(self.engine, READY_CHECK_SECONDS)
+            except Exception:
+                continue
+            if check.verdict == "incompatible":
+                self.log.error("schema.incompatible", database=check.database, code=check.code)
+                raise ConfigurationError(check.problem() or "")
+
     async def _clock_skewed(self, exc: ClockOffsetError) -> None:
         """Tell the operators (best effort: the daemon stops either way)."""
         try:
@@ -315,6 +330,7 @@ class Daemon:
                                             settings=self.settings, event_sinks=self.event_sinks).run(),
                                 name="maintenance"),
             asyncio.create_task(self._watch_clock(), name="clock"),
+            asyncio.create_task(self._watch_schema(), name="schema"),
             asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
                                           horizon_seconds=self.settings.retry_horizon_seconds, metrics=self.metrics,
                                           events_window=self.settings.operator_events_window_seconds).run(),
