@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from outbox.schema import PG_NOW, SQLITE_NOW, breaker_transitions, breakers
 
 __all__ = ["BREAKER_COLUMNS", "acquire_probe", "ensure_breakers", "insert_transitions", "lock_breakers",
-           "save_breakers", "shown_columns", "state_now"]
+           "holding_back", "save_breakers", "shown_columns", "state_now"]
 
 BREAKER_COLUMNS = ("state", "failures", "successes", "trips", "open_until", "probe_until", "updated_at",
                    "window_started_at", "window_attempts", "window_failures", "previous_attempts",
@@ -54,6 +54,22 @@ def state_now(conn: AsyncConnection) -> ColumnElement[str]:
     now = literal_column(f"({PG_NOW if _pg(conn) else SQLITE_NOW})")
     lapsed = and_(breakers.c.state == "open", breakers.c.open_until <= now)
     return case((lapsed, "half_open"), else_=breakers.c.state).label("state")
+
+
+# Breakers not closed that pending messages wait behind (each probe read from the pending
+# endpoint index: the cost is the breakers not closed, not the backlog).
+_HOLDING_BACK = text("""
+    SELECT count(*) FROM outbox_breakers AS b
+    WHERE b.state <> 'closed' AND EXISTS (
+        SELECT 1 FROM outbox_messages AS m
+        WHERE m.state = 'pending' AND m.tenant_id = b.tenant_id AND COALESCE(m.origin, '') = b.origin)
+""")
+
+
+async def holding_back(conn: AsyncConnection) -> int:
+    """Endpoints whose pending messages an open or half-open breaker holds back: a breaker an
+    endpoint nothing waits for any more defers nothing, whatever its row says."""
+    return int((await conn.execute(_HOLDING_BACK)).scalar_one())
 
 
 def shown_columns(conn: AsyncConnection) -> list[Any]:

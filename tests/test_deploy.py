@@ -52,6 +52,8 @@ GAUGES = {
     "outbox_oldest_due_message_age_seconds",
     "outbox_delivery_lag_seconds",  # the same, leaving out what breakers hold back
     "outbox_breakers",
+    "outbox_breakers_holding_back",  # endpoints with pending work behind a breaker not closed
+    "outbox_ready",  # 0 while /readyz fails: a daemon that waits or keeps failing is still up
     "outbox_in_flight_requests",
     "outbox_build_info",
     "outbox_signing_active_keys",  # keys able to sign now, per daemon (and scope): 0 holds webhooks
@@ -213,6 +215,13 @@ def _alert_rules() -> dict[str, dict]:
     return {rule["alert"]: rule for group in doc["groups"] for rule in group["rules"]}
 
 
+def test_the_kubernetes_base_deploys_this_release():
+    import tomllib
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    (kustomization,) = _load_yaml(DEPLOY / "kubernetes" / "kustomization.yaml")
+    assert [image["newTag"] for image in kustomization["images"]] == [version]
+
+
 def test_every_alert_rule_is_in_the_operations_guide():
     guide = (ROOT / "docs" / "operations.md").read_text().split("## Alerts", 1)[1]
     assert [name for name in _alert_rules() if f"`{name}`" not in guide] == []
@@ -231,7 +240,9 @@ def test_alert_rules_cover_the_required_conditions():
     lag = find("max(outbox_delivery_lag_seconds)")
     assert lag["for"] == "5m" and "> 300" in lag["expr"]
     assert "> 0.1" in find("sum(rate(outbox_dead_letters_total[10m]))")["expr"]
-    assert find('sum(outbox_breakers{state="open"}) > 0')["for"] == "10m"
+    assert find("max(outbox_breakers_holding_back) > 0")["for"] == "10m"
+    assert find("max_over_time(outbox_ready[2m]) == 0")["labels"]["severity"] == "warning"
+    assert find("max(max_over_time(outbox_ready[2m])) == 0")["labels"]["severity"] == "critical"
     signature = find('increase(outbox_dead_letters_total{reason="signature_rejected"}[15m])')
     assert signature["expr"].rstrip().endswith("> 0")
     no_key = find("(outbox_signing_active_keys) == 0")

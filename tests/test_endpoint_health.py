@@ -221,3 +221,29 @@ async def test_delivery_lag_leaves_out_the_backlog_a_breaker_holds_back(pg_engin
         assert metrics.registry.get_sample_value("outbox_oldest_due_message_age_seconds") >= 900
     finally:
         await async_engine.dispose()
+
+
+async def test_breakers_holding_back_counts_only_endpoints_with_work_waiting(pg_engine):
+    """What ``OutboxBreakersOpen`` reads: a breaker open or half-open (probing: its probe out,
+    or waiting for the next message to be one) that pending messages wait behind. A breaker
+    of an endpoint nothing waits for any more holds back nothing, however it reads."""
+    from outbox.schema import breakers
+    from tests.ledger import enqueue_tasks
+    enqueue_tasks(pg_engine, "down", "https://down.example/hook", 2)
+    enqueue_tasks(pg_engine, "probing", "https://probing.example/hook", 1)
+    async_engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            now = await db_now(conn)
+            row = {"failures": 10, "successes": 0, "trips": 1, "updated_at": now}
+            await conn.execute(breakers.insert(), [
+                {**row, "tenant_id": "down", "origin": "https://down.example", "state": "open", "open_until": now + 60},
+                {**row, "tenant_id": "probing", "origin": "https://probing.example", "state": "half_open",
+                 "open_until": now - 5, "probe_until": now + 10},
+                {**row, "tenant_id": "quiet", "origin": "https://quiet.example", "state": "open",
+                 "open_until": now - 600}])
+        metrics = Metrics()
+        await sample_gauges(async_engine, metrics)
+        assert metrics.registry.get_sample_value("outbox_breakers_holding_back") == 2
+    finally:
+        await async_engine.dispose()

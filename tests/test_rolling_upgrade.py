@@ -114,12 +114,23 @@ def test_a_daemon_waits_for_a_database_behind_it_then_runs(previous_release, tmp
             status, body = procs.readyz(port)
             assert f"at {old_head}, this outboxd needs {head_revision()}: waiting for `outboxd migrate`" in body
             assert daemon.poll() is None and not procs.arrivals(log)  # waiting, not exiting, not sending
+            assert _ready_gauge(port) == 0  # what an alert sees of a daemon that waits (up is 1)
             upgrade(engine)
             assert procs.wait_until(lambda: finished(engine, 1), 40)
             assert procs.readyz(port) == (200, "ready\n")
+            assert procs.wait_until(lambda: _ready_gauge(port) == 1, 10)
         finally:
             assert procs.stop(daemon) == 0
             engine.dispose()
+
+
+def _ready_gauge(port: int) -> float | None:
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    return next((s.value for f in families if f.name == "outbox_ready" for s in f.samples), None)
 
 
 def _listening(port: int) -> bool:

@@ -24,7 +24,7 @@ from outbox import store
 from outbox.claim_sql import DUE_TABLES
 from outbox.config import Settings
 from outbox.partitions import ensure_attempt_partitions
-from outbox.breaker_rows import state_now
+from outbox.breaker_rows import holding_back, state_now
 from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
 from supervisor.cycle import challenge
@@ -105,6 +105,7 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
         unheld, _ = await store.oldest_unheld_due(conn)
         state = state_now(conn)
         states = dict((await conn.execute(select(state, func.count()).group_by(state))).all())
+        held_back = await holding_back(conn)
         if metrics.endpoint_top:
             metrics.set_endpoints(await health_stats.endpoint_health(
                 conn, window_seconds=ENDPOINT_WINDOW_SECONDS, limit=metrics.endpoint_top))
@@ -114,6 +115,7 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
     metrics.delivery_lag.set(max(now - unheld, 0.0) if unheld is not None else 0.0)
     for state in ("closed", "open", "half_open"):
         metrics.breakers.labels(state=state).set(states.get(state, 0))
+    metrics.breakers_holding_back.set(held_back)
 
 
 async def vacuum_due_tables(engine: AsyncEngine, dead_rows: int = DUE_VACUUM_DEAD_ROWS,

@@ -64,7 +64,8 @@ class HealthServer:
                 pass
             parts = request.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            if path == "/metrics":
+            if path == "/metrics":  # readiness as a gauge: a daemon that waits or fails is still "up"
+                self._metrics.ready.set(0 if await self._readiness() else 1)
                 status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(self._metrics.registry)
             elif path == "/healthz":
                 status, ctype, body = 200, "text/plain", b"ok\n"

@@ -97,7 +97,13 @@ class Metrics:
         self.rotation_waiting = Gauge("outbox_encryption_rotation_waiting_processes",
                                       "Live processes that cannot open the newest announced key yet: it seals "
                                       "only once this is 0.", registry=r)
+        self.ready = Gauge("outbox_ready", "1 when /readyz would answer 200, taken at each scrape: 0 while the "
+                           "database keeps failing, its schema is behind or too new, or messages wait for a key "
+                           "this process lacks (/readyz says which).", registry=r)
         self.breakers = Gauge("outbox_breakers", "Circuit breakers by state (sampled).", ["state"], registry=r)
+        self.breakers_holding_back = Gauge("outbox_breakers_holding_back",
+                                           "Endpoints whose pending messages an open or half-open breaker holds "
+                                           "back (sampled).", registry=r)
         self.breaker_transitions = Counter("outbox_breaker_transitions", "Circuit breaker state changes.",
                                            ["from_state", "to_state"], registry=r)
         self.in_flight = Gauge("outbox_in_flight_requests", "HTTP requests in flight in this process.",
