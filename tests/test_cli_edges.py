@@ -112,6 +112,21 @@ def test_a_job_action_refused_for_its_state_says_the_state(sqlite_engine, capsys
     assert code == 1 and "no job 9" in err, err
 
 
+def test_the_job_listing_says_when_it_left_older_jobs_out(sqlite_engine, capsys, monkeypatch):
+    from outbox.schema import jobs
+    with sqlite_engine.begin() as conn:
+        conn.execute(jobs.insert(), [{"tenant_id": "acme", "state": "done", "kind": "replay", "total": 0, "since": 0.0,
+                                      "until": 1.0, "force": False, "rate": 50.0, "created_at": 1.0 + i,
+                                      "updated_at": 1.0 + i}
+                                     for i in range(52)])
+    url = url_of(sqlite_engine)
+    code, out, err = cli(capsys, monkeypatch, url, "recover", "list", "--json")
+    assert code == 0 and len(json.loads(out)) == 50 and json.loads(out)[0]["id"] == 52
+    assert err == "showing the newest 50 of 52 jobs: raise --limit\n"
+    code, out, err = cli(capsys, monkeypatch, url, "recover", "list", "--limit", "60", "--json")
+    assert code == 0 and len(json.loads(out)) == 52 and err == ""
+
+
 def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):
     from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 

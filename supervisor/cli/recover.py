@@ -8,7 +8,7 @@ from typing import Any
 
 from outbox.config import Settings
 from outbox.schema import DEAD_REASONS
-from supervisor.operator.jobs import DEFAULT_RATE, Selection, parse_rate
+from supervisor.operator.jobs import DEFAULT_RATE, LISTED, Selection, parse_rate
 from supervisor.cli.common import (
     Subcommands,
     UsageError,
@@ -82,7 +82,9 @@ def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
                   f"{job['rate']:g}/s; follow it with `outboxd recover show {job['id']}`")
         return 0
     if args.action == "list":
-        rows = run_async(settings, jobs.list_jobs)
+        rows, total = run_async(settings, lambda conn: jobs.list_jobs(conn, args.limit))
+        if total > len(rows):
+            print(f"showing the newest {len(rows)} of {total} jobs: raise --limit", file=sys.stderr)
         if args.json:
             print_json(rows)
         else:
@@ -121,6 +123,8 @@ def register(add: Subcommands) -> None:
     p.add_argument("--origin", type=endpoint_origin_arg,
                    help="start: only this endpoint's origin, e.g. https://buyer.example.com (any URL of it)")
     p.add_argument("--reason", choices=DEAD_REASONS, help="start: only this dead reason")
+    p.add_argument("--limit", type=positive_int, default=LISTED,
+                   help=f"list: at most this many, newest first (default {LISTED})")
     p.add_argument("--force", action="store_true", help="start: also replay past the retry horizon "
                                                         "(a fresh horizon, as `outboxd replay --force`)")
     p.add_argument("--rate", type=_positive_rate, default=float(DEFAULT_RATE),

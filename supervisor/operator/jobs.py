@@ -124,8 +124,15 @@ async def show(conn: AsyncConnection, job_id: int) -> dict[str, Any] | None:
     return None if row is None else _job(row)
 
 
-async def list_jobs(conn: AsyncConnection, limit: int = 50) -> list[dict[str, Any]]:
-    return [_job(r) for r in await conn.execute(select(jobs).order_by(jobs.c.id.desc()).limit(limit))]
+LISTED = 50  # jobs ``recover list`` and the console show, newest first, unless asked for more
+
+
+async def list_jobs(conn: AsyncConnection, limit: int = LISTED) -> tuple[list[dict[str, Any]], int]:
+    """The newest ``limit`` jobs, and how many jobs there are in all (a listing says what it left out)."""
+    listed = [_job(r) for r in await conn.execute(select(jobs).order_by(jobs.c.id.desc()).limit(limit))]
+    if len(listed) < limit:
+        return listed, len(listed)
+    return listed, int((await conn.execute(select(func.count()).select_from(jobs))).scalar_one())
 
 
 async def change(conn: AsyncConnection, job_id: int, action: str) -> bool:

@@ -22,7 +22,6 @@ from supervisor.operator.ops import rfc3339, row_id
 from supervisor.ui.forms import JOB_RATE_DEFAULT, BadInput, job_rate, job_selection
 from supervisor.ui.kit import Kit
 
-JOBS_SHOWN = 50
 # The banners a job action may ask for (see app.NOTICES: fixed words, never the address's).
 NOTICES = {
     "job-started": "Recovery job started: the daemons run it in the background.",
@@ -41,9 +40,9 @@ def routes(kit: Kit) -> list[Route]:
         if not kit.signed_in(request):
             return RedirectResponse("/login", status_code=303)
         async with kit.engine().connect() as conn:
-            listed = await jobs.list_jobs(conn, JOBS_SHOWN)
+            listed, total = await jobs.list_jobs(conn)
             now = await store.db_now(conn)
-        return kit.render(request, "jobs.html", refreshes=True, jobs=listed, now=now, reasons=DEAD_REASONS,
+        return kit.render(request, "jobs.html", refreshes=True, jobs=listed, total=total, now=now, reasons=DEAD_REASONS,
                           rate_default=JOB_RATE_DEFAULT)
 
     async def job_page(request: Request) -> Response:
