@@ -16,7 +16,7 @@ daemon's less frequent statements, where preparing saves nothing that matters.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -69,7 +69,21 @@ def configure_sqlite(engine: Engine) -> None:
         # Under AUTOCOMMIT nothing ever commits what this would begin: every write on the
         # connection, an enqueue included, would vanish when it closes.
         if not connection._is_autocommit_isolation():
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            reads_only = connection.get_execution_options().get(READS_ONLY, False)
+            connection.exec_driver_sql("BEGIN" if reads_only else "BEGIN IMMEDIATE")
+
+
+READS_ONLY = "outbox_reads_only"  # the execution option :func:`reading` sets
+_Engine = TypeVar("_Engine", Engine, AsyncEngine)
+
+
+def reading(engine: _Engine) -> _Engine:
+    """``engine`` (the same pool) for transactions that only read: on SQLite they begin
+    deferred, reading a WAL snapshot, so they neither wait for a writer nor hold one up (an
+    operator's ``list`` of a large table took the write lock for seconds, and a seller's
+    enqueue behind it failed "database is locked"). Never for a transaction that writes: its
+    read lock could not always become a write lock."""
+    return engine.execution_options(**{READS_ONLY: True})
 
 
 # Idle connections are probed after 10 s, every 5 s, and dropped after 3 lost probes.

@@ -127,6 +127,35 @@ def test_the_job_listing_says_when_it_left_older_jobs_out(sqlite_engine, capsys,
     assert code == 0 and len(json.loads(out)) == 52 and err == ""
 
 
+@pytest.mark.parametrize("args", [("status",), ("list",), ("show", "1"), ("breakers", "list"), ("endpoints",),
+                                  ("recover", "list"), ("subscribers", "list"), ("encryption", "status")])
+def test_reading_commands_neither_wait_for_nor_take_sqlites_write_lock(sqlite_engine, capsys, monkeypatch, args):
+    """A seller's transaction holding the write lock does not hold up a command that only
+    reads (WAL readers read a snapshot), and such a command never takes the lock itself, so
+    a seller's enqueue never waits behind an operator's ``list``."""
+    enqueue_many(sqlite_engine, "https://buyer.example/hook", [""])
+    path = sqlite_engine.url.database
+    seller = sqlite3.connect(path, isolation_level=None)
+    try:
+        seller.execute("BEGIN IMMEDIATE")
+        seller.execute("UPDATE outbox_messages SET attempts = attempts WHERE id = 1")
+        started = time.monotonic()
+        code, _, err = cli(capsys, monkeypatch, url_of(sqlite_engine), *args)
+        assert code in (0, 1) and "locked" not in err and time.monotonic() - started < 5, err
+    finally:
+        seller.execute("ROLLBACK")
+        seller.close()
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+@pytest.mark.parametrize("args", [("migrate",), ("status",), ("run",)])
+def test_an_in_memory_sqlite_database_is_refused_in_one_line(url, args, capsys, monkeypatch):
+    """It would live and end with each process: migrate "succeeded", then every command said to
+    run migrate, and the daemon waited for it for good."""
+    code, out, err = cli(capsys, monkeypatch, url, *args)
+    assert code == 1 and one_line(err) and "in-memory SQLite database" in err and out == "", err
+
+
 def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):
     from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 

@@ -103,6 +103,19 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
+def in_memory_problem(settings: Settings) -> str | None:
+    """Why an in-memory SQLite database cannot serve outboxd (one line), or None: it lives and
+    ends with one process, so `migrate` would fill one nobody else sees."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite" or (url.database or "") not in ("", ":memory:"):
+        return None
+    return (f"OUTBOX_DATABASE_URL={url.render_as_string(hide_password=True)} is an in-memory SQLite database, "
+            "which lives and ends with one process: the daemon, the seller and every command need the same "
+            "file, e.g. sqlite:///var/lib/outboxd/outbox.db")
+
+
 def schema_problem(settings: Settings) -> str | None:
     """Why the configured database cannot serve a command yet, as one line with the fix; or None.
 
@@ -113,7 +126,9 @@ def schema_problem(settings: Settings) -> str | None:
 
     url = make_url(settings.database_url)
     path = url.database or ""
-    if url.get_backend_name() == "sqlite" and path not in ("", ":memory:") and not Path(path).exists():
+    if (problem := in_memory_problem(settings)) is not None:
+        return problem
+    if url.get_backend_name() == "sqlite" and not Path(path).exists():
         return (f"no outbox database at {path} (OUTBOX_DATABASE_URL={url.render_as_string(hide_password=True)}): "
                 "run `outboxd migrate` to create it, or point OUTBOX_DATABASE_URL at yours")
     return None
@@ -131,10 +146,12 @@ async def _check_schema(engine: Any) -> None:
         raise UserError(check.problem() or "")
 
 
-def with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
+def with_engine(settings: Settings, work: Callable[[Any], Any], *, reads_only: bool = False) -> Any:
     """Run ``await work(engine)`` against the configured, migrated database; the engine is
-    disposed after. An unmigrated database is a one-line :class:`UserError` naming the fix."""
-    from outbox.db import make_async_engine
+    disposed after. An unmigrated database is a one-line :class:`UserError` naming the fix.
+    ``reads_only``: the work only reads (:func:`outbox.db.reading`: on SQLite it then never
+    takes the write lock a seller's enqueue waits for)."""
+    from outbox.db import make_async_engine, reading
     from supervisor.cycle.operator_engine import operator_engine
 
     problem = schema_problem(settings)
@@ -144,8 +161,8 @@ def with_engine(settings: Settings, work: Callable[[Any], Any]) -> Any:
     async def go() -> Any:
         engine = operator_engine(settings, make_async_engine)
         try:
-            await _check_schema(engine)
-            return await work(engine)
+            await _check_schema(reading(engine))
+            return await work(reading(engine) if reads_only else engine)
         finally:
             await engine.dispose()
 
@@ -162,11 +179,11 @@ def require_database(settings: Settings) -> None:
     with_engine(settings, nothing)
 
 
-def run_async(settings: Settings, work: Callable[[Any], Any]) -> Any:
-    """Run ``await work(conn)`` in one transaction."""
+def run_async(settings: Settings, work: Callable[[Any], Any], *, reads_only: bool = False) -> Any:
+    """Run ``await work(conn)`` in one transaction (``reads_only``: see :func:`with_engine`)."""
 
     async def in_transaction(engine: Any) -> Any:
         async with engine.begin() as conn:
             return await work(conn)
 
-    return with_engine(settings, in_transaction)
+    return with_engine(settings, in_transaction, reads_only=reads_only)

@@ -94,7 +94,7 @@ def cmd_encryption(args: argparse.Namespace, settings: Settings) -> int:
         print(base64.b64encode(os.urandom(32)).decode())
         return 0
     if args.action == "status":
-        report = run_async(settings, lambda conn: encryption_report(conn, settings))
+        report = run_async(settings, lambda conn: encryption_report(conn, settings), reads_only=True)
         print_json(report) if args.json else _print_report(report)
         problem = unopenable_summary(report)
         if problem is not None:
@@ -103,7 +103,7 @@ def cmd_encryption(args: argparse.Namespace, settings: Settings) -> int:
     configured = settings.sealing()
     if configured is None:
         raise UserError("no OUTBOX_ENCRYPTION_KEY is set: nothing to re-seal under")
-    agreed = run_async(settings, lambda conn: conn.run_sync(read_ledger)).sealing_key_id
+    agreed = run_async(settings, lambda conn: conn.run_sync(read_ledger), reads_only=True).sealing_key_id
     if agreed is not None and not configured.can_open(agreed):
         raise UserError(f"the agreed sealing key {agreed} is not in this configuration: add it first")
     keys = sealer(configured, agreed)

@@ -36,7 +36,7 @@ def cmd_endpoints(args: argparse.Namespace, settings: Settings) -> int:
         return await endpoint_health(conn, window_seconds=args.window, tenant=args.tenant, origin=args.origin,
                                      limit=args.limit)
 
-    rows = run_async(settings, work)
+    rows = run_async(settings, work, reads_only=True)
     if args.json:
         print_json([h.as_dict() for h in rows])
         return 0

@@ -44,7 +44,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
                 "sealed_unopenable": held_line(held, "this configuration"),
                 "held_by_processes": {r.reader_id: r.unopenable for r in ledger.live() if r.unopenable}}
 
-    data = run_async(settings, work)
+    data = run_async(settings, work, reads_only=True)
     # Messages waiting on the operator (no signing key, a missing encryption key) fail the
     # command, so a script or a probe running `outboxd status` sees them.
     held = 1 if data["signing_paused"] or data["sealed_unopenable"] or data["held_by_processes"] else 0
@@ -95,7 +95,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
         rows = await ops.list_messages(conn, filters)
         return rows, (await ops.count_matching(conn, filters) if len(rows) == filters.limit else len(rows))
 
-    rows, matched = run_async(settings, work)
+    rows, matched = run_async(settings, work, reads_only=True)
     if matched > len(rows):
         print(f"showing the first {len(rows)} of {matched} matching messages: raise --limit or narrow the filter",
               file=sys.stderr)
@@ -111,7 +111,7 @@ def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     from supervisor.operator import ops
 
-    data = run_async(settings, lambda conn: ops.show(conn, args.ref, settings.sealing()))
+    data = run_async(settings, lambda conn: ops.show(conn, args.ref, settings.sealing()), reads_only=True)
     if data is None:
         raise UserError(f"no message with id or idempotency key {args.ref!r}")
     if args.json:
@@ -195,7 +195,7 @@ def cmd_breakers(args: argparse.Namespace, settings: Settings) -> int:
             raise UserError(f"no breaker {tenant}@{origin}")
         print(f"breaker {tenant}@{origin} reset (closed)")
         return 0
-    rows = run_async(settings, ops.list_breakers)
+    rows = run_async(settings, ops.list_breakers, reads_only=True)
     if args.json:
         print_json(rows)
     else:

@@ -68,7 +68,7 @@ def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
         verb, doing, what = ("cancel", "cancelling", "pending or in-flight") if args.cancel_pending else \
             ("replay", "replaying", "dead")
         if args.dry_run:
-            matched = run_async(settings, lambda conn: jobs.count(conn, selection))
+            matched = run_async(settings, lambda conn: jobs.count(conn, selection), reads_only=True)
             print_json({f"would_{verb}": matched}) if args.json else print(f"would {verb} {matched} {what} message(s)")
             return 0
         if args.force:
@@ -82,7 +82,7 @@ def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
                   f"{job['rate']:g}/s; follow it with `outboxd recover show {job['id']}`")
         return 0
     if args.action == "list":
-        rows, total = run_async(settings, lambda conn: jobs.list_jobs(conn, args.limit))
+        rows, total = run_async(settings, lambda conn: jobs.list_jobs(conn, args.limit), reads_only=True)
         if total > len(rows):
             print(f"showing the newest {len(rows)} of {total} jobs: raise --limit", file=sys.stderr)
         if args.json:
@@ -95,7 +95,7 @@ def cmd_recover(args: argparse.Namespace, settings: Settings) -> int:
     if args.job is None:
         raise UsageError(f"recover {args.action} needs a job id (see `outboxd recover list`)")
     if args.action == "show":
-        job = run_async(settings, lambda conn: jobs.show(conn, args.job))
+        job = run_async(settings, lambda conn: jobs.show(conn, args.job), reads_only=True)
         if job is None:
             raise UserError(f"no job {args.job}")
         print_json(job) if args.json else _print_job(job)

@@ -43,7 +43,7 @@ async def sdk_backlog(settings: Settings) -> dict[str, int] | None:
 def cmd_reporting(args: argparse.Namespace, settings: Settings) -> int:
     data: dict[str, Any] = {"handoff": settings.reporting_handoff,
                             "backlog": asyncio.run(sdk_backlog(settings)) if settings.reporting_handoff else None,
-                            "messages": run_async(settings, message_counts)}
+                            "messages": run_async(settings, message_counts, reads_only=True)}
     if args.json:
         print_json(data)
         return 0

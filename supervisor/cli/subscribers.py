@@ -85,7 +85,7 @@ async def show_row(conn: AsyncConnection, tenant: str, account: str, subscriber_
 def cmd_subscribers(args: argparse.Namespace, settings: Settings) -> int:
     if args.action == "list":
         rows = run_async(settings, lambda conn: list_rows(conn, tenant=args.tenant, account=args.account,
-                                                          state=args.state, limit=args.limit))
+                                                          state=args.state, limit=args.limit), reads_only=True)
         if args.json:
             print_json(rows)
         else:
@@ -95,7 +95,7 @@ def cmd_subscribers(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     if not (args.tenant and args.account and args.subscriber):
         raise UsageError("show needs --tenant, --account and SUBSCRIBER_ID")
-    data = run_async(settings, lambda conn: show_row(conn, args.tenant, args.account, args.subscriber))
+    data = run_async(settings, lambda conn: show_row(conn, args.tenant, args.account, args.subscriber), reads_only=True)
     if data is None:
         raise UserError(f"no subscriber {args.subscriber!r} on {args.tenant}/{args.account}")
     if args.json:

@@ -28,7 +28,7 @@ from starlette.templating import Jinja2Templates
 
 from outbox import store
 from outbox.config import Settings
-from outbox.db import error_line, make_async_engine
+from outbox.db import error_line, make_async_engine, reading
 from outbox.schema import DEAD_REASONS, STATES
 from supervisor.cycle.cutoff import bound_each_hold
 from supervisor.cycle.operator_engine import operator_engine
@@ -96,6 +96,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state["engine"] = operator_engine(settings, make_async_engine)
+        state["reader"] = reading(state["engine"])  # the pages: on SQLite they never take the write lock
         bound_each_hold(state["engine"], settings.database_statement_timeout_seconds)
         yield
         await state["engine"].dispose()
@@ -153,7 +154,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
         scope = Scope(tenant=request.query_params.get("tenant") or None)
-        async with state["engine"].connect() as conn:
+        async with state["reader"].connect() as conn:
             health = await queries.health(conn, scope)
             status = await ops.status(conn, top=20)
             endpoints, more_endpoints = await queries.endpoints(conn, scope, ENDPOINTS_SHOWN)
@@ -163,7 +164,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
             counts = await queries.state_counts(conn, scope) if scope.tenant else status["messages"]
         return render(request, "overview.html", refreshes=True, scope=scope, health=health, status=status,
                       counts=counts, endpoints=endpoints, more_endpoints=more_endpoints, charts=drawn,
-                      now=health.now, subscribers=await subscribers(state["engine"]))
+                      now=health.now, subscribers=await subscribers(state["reader"]))
 
     async def endpoint(request: Request) -> Response:
         if not signed_in(request):
@@ -177,7 +178,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
             window = health_window(request.query_params.get("window"))
         except BadInput as exc:
             return render(request, "error.html", 400, message=str(exc))
-        async with state["engine"].connect() as conn:
+        async with state["reader"].connect() as conn:
             health = await queries.health(conn, scope)
             rollup = await health_stats.endpoint_health(conn, window_seconds=window[1], tenant=tenant, origin=origin)
             found = await queries.breaker(conn, tenant, origin)
@@ -199,7 +200,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
             before = page_start(request.query_params.get("before"))
         except BadInput as exc:
             return render(request, "messages.html", 400, page=None, error=str(exc), now=0.0, **context)
-        async with state["engine"].connect() as conn:
+        async with state["reader"].connect() as conn:
             page = await queries.message_page(conn, filters, before, PAGE_SIZE)
             now = await store.db_now(conn)
         older = here(request, before=page.older) if page.older else None
@@ -210,7 +211,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
         ref = request.path_params["ref"]
-        async with state["engine"].connect() as conn:
+        async with state["reader"].connect() as conn:
             try:
                 data = await ops.show(conn, ref, settings.sealing())
             except ops.AmbiguousReference:
@@ -239,7 +240,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
             return render(request, "error.html", 400, message="A replay of matching messages needs at least one "
                                                               "search field filled in.")
         if filters is not None and filters.key and not filters.tenant:
-            async with state["engine"].connect() as conn:
+            async with state["reader"].connect() as conn:
                 try:
                     await ops.one_tenant_uses(conn, filters.key)
                 except ops.AmbiguousReference:
@@ -270,7 +271,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         return await replay_page(request, result)
 
     async def replay_page(request: Request, result: ReplayResult, once: str | None = None) -> Response:
-        async with state["engine"].connect() as conn:
+        async with state["reader"].connect() as conn:
             listed = await queries.messages_by_id(conn, result.replayed)
             now = await store.db_now(conn)
         return render(request, "replay.html", result=result, listed=listed, now=now, once=once)
@@ -282,7 +283,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
             return form
         tenant, origin = str(form.get("tenant") or ""), str(form.get("origin") or "")
         if form.get("confirm") != "yes":
-            async with state["engine"].connect() as conn:
+            async with state["reader"].connect() as conn:
                 found = await queries.breaker(conn, tenant, origin)
                 now = await store.db_now(conn)
             return render(request, "reset.html", tenant=tenant, origin=origin, breaker=found, now=now)
@@ -300,7 +301,8 @@ def make_app(settings: Settings, token: str) -> Starlette:
         response.delete_cookie(COOKIE, path="/")
         return response
 
-    kit = Kit(render=render, action_form=action_form, signed_in=signed_in, engine=lambda: state["engine"])
+    kit = Kit(render=render, action_form=action_form, signed_in=signed_in, engine=lambda: state["engine"],
+              reader=lambda: state["reader"])
     return Starlette(lifespan=lifespan, middleware=[Middleware(SecurityHeaders)], exception_handlers={DataError: unstorable_value, SQLAlchemyError: database_unavailable}, routes=[
         *recovery.routes(kit),
         Route("/login", login, methods=["GET", "POST"]),

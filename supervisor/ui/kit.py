@@ -17,7 +17,8 @@ class Kit:
     render: Callable[..., Response]  # (request, template, status_code=200, **context)
     action_form: Callable[[Request], Awaitable[FormData | Response]]  # the form, or the refusal (401/403)
     signed_in: Callable[[Request], bool]
-    engine: Callable[[], AsyncEngine]
+    engine: Callable[[], AsyncEngine]  # for actions (they write)
+    reader: Callable[[], AsyncEngine]  # for pages: the same pool, transactions that only read (outbox.db.reading)
 
     def refuse(self, request: Request, status: int, message: str) -> Response:
         """The error page with a fixed sentence."""

@@ -39,7 +39,7 @@ def routes(kit: Kit) -> list[Route]:
     async def job_list(request: Request) -> Response:
         if not kit.signed_in(request):
             return RedirectResponse("/login", status_code=303)
-        async with kit.engine().connect() as conn:
+        async with kit.reader().connect() as conn:
             listed, total = await jobs.list_jobs(conn)
             now = await store.db_now(conn)
         return kit.render(request, "jobs.html", refreshes=True, jobs=listed, total=total, now=now, reasons=DEAD_REASONS,
@@ -49,7 +49,7 @@ def routes(kit: Kit) -> list[Route]:
         if not kit.signed_in(request):
             return RedirectResponse("/login", status_code=303)
         number = row_id(request.path_params["job"])
-        async with kit.engine().connect() as conn:
+        async with kit.reader().connect() as conn:
             job = None if number is None else await jobs.show(conn, number)
             now = await store.db_now(conn)
         if job is None:
@@ -67,7 +67,7 @@ def routes(kit: Kit) -> list[Route]:
         except BadInput as exc:
             return kit.refuse(request, 400, str(exc))
         if form.get("confirm") != "yes":
-            async with kit.engine().connect() as conn:
+            async with kit.reader().connect() as conn:
                 matched = await jobs.count(conn, selection)
                 now = await store.db_now(conn)
             # the confirmation starts from this count's times
@@ -87,7 +87,7 @@ def routes(kit: Kit) -> list[Route]:
         if number is None or action not in jobs.TRANSITIONS:
             return kit.refuse(request, 404, "No such recovery job or action.")
         if action == "cancel" and form.get("confirm") != "yes":
-            async with kit.engine().connect() as conn:
+            async with kit.reader().connect() as conn:
                 job = await jobs.show(conn, number)
                 now = await store.db_now(conn)
             if job is None:
