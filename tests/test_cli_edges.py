@@ -156,6 +156,13 @@ def test_an_in_memory_sqlite_database_is_refused_in_one_line(url, args, capsys, 
     assert code == 1 and one_line(err) and "in-memory SQLite database" in err and out == "", err
 
 
+def test_migrate_into_a_directory_that_does_not_exist_names_it(tmp_path, capsys, monkeypatch):
+    for path, words in ((tmp_path / "nodir" / "x.db", f"no directory {tmp_path / 'nodir'} for the SQLite file"),
+                        ("~/x.db", "a ~ is not expanded")):
+        code, out, err = cli(capsys, monkeypatch, f"sqlite:///{path}", "migrate")
+        assert code == 1 and one_line(err) and words in err and out == "", err
+
+
 def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):
     from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row
 

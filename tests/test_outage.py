@@ -129,3 +129,29 @@ def test_a_server_timeout_and_a_poolers_limits_are_named_for_the_setting_to_look
     timed_out, full = diagnose(killed.value), diagnose(refused.value)
     assert (timed_out.label, timed_out.text) == ("timeout", "the connection pooler ended a statement at its query_timeout")
     assert full.label == "connection" and "max_client_conn" in full.text and full.curable
+
+
+def test_sqlite_failures_are_named_for_what_they_are(tmp_path):
+    """SQLite raises every one of these as an OperationalError: a held write lock, a file the
+    process may not write and a file it cannot open are named each, not "unreachable"."""
+    import os
+    import sqlite3
+    path = tmp_path / "o.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    waiter = sqlite3.connect(path, timeout=0.05, isolation_level=None)
+    with pytest.raises(sqlite3.OperationalError) as locked:
+        waiter.execute("BEGIN IMMEDIATE")
+    holder.execute("ROLLBACK")
+    reader = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    with pytest.raises(sqlite3.OperationalError) as read_only:
+        reader.execute("INSERT INTO t VALUES (1)")
+    with pytest.raises(sqlite3.OperationalError) as unopened:
+        sqlite3.connect(tmp_path / "no" / "such" / "dir.db").execute("SELECT 1")
+    causes = {name: diagnose(error.value) for name, error in
+              (("locked", locked), ("read_only", read_only), ("unopened", unopened))}
+    assert causes["locked"].label == "timeout" and "write lock" in causes["locked"].text
+    assert causes["read_only"].label == "statement" and "read-only" in causes["read_only"].text
+    assert causes["unopened"].label == "connection" and "directory" in causes["unopened"].text
+    assert os.path.exists(path)

@@ -103,17 +103,25 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
-def in_memory_problem(settings: Settings) -> str | None:
-    """Why an in-memory SQLite database cannot serve outboxd (one line), or None: it lives and
-    ends with one process, so `migrate` would fill one nobody else sees."""
+def sqlite_file_problem(settings: Settings) -> str | None:
+    """Why the configured SQLite database cannot be created or shared (one line), or None: an
+    in-memory one lives and ends with one process, so ``migrate`` would fill one nobody else
+    sees; a file in a directory that does not exist cannot be created."""
     from sqlalchemy.engine import make_url
 
     url = make_url(settings.database_url)
-    if url.get_backend_name() != "sqlite" or (url.database or "") not in ("", ":memory:"):
+    path = url.database or ""
+    if url.get_backend_name() != "sqlite":
         return None
-    return (f"OUTBOX_DATABASE_URL={url.render_as_string(hide_password=True)} is an in-memory SQLite database, "
-            "which lives and ends with one process: the daemon, the seller and every command need the same "
-            "file, e.g. sqlite:///var/lib/outboxd/outbox.db")
+    if path in ("", ":memory:"):
+        return (f"OUTBOX_DATABASE_URL={url.render_as_string(hide_password=True)} is an in-memory SQLite database, "
+                "which lives and ends with one process: the daemon, the seller and every command need the same "
+                "file, e.g. sqlite:///var/lib/outboxd/outbox.db")
+    if not Path(path).parent.is_dir():
+        tilde = " (a ~ is not expanded: write the whole path)" if path.startswith("~") else ""
+        return (f"no directory {Path(path).parent} for the SQLite file {path}{tilde}: create it first (migrate "
+                "creates the file, not its directories)")
+    return None
 
 
 def schema_problem(settings: Settings) -> str | None:
@@ -126,7 +134,7 @@ def schema_problem(settings: Settings) -> str | None:
 
     url = make_url(settings.database_url)
     path = url.database or ""
-    if (problem := in_memory_problem(settings)) is not None:
+    if (problem := sqlite_file_problem(settings)) is not None:
         return problem
     if url.get_backend_name() == "sqlite" and not Path(path).exists():
         return (f"no outbox database at {path} (OUTBOX_DATABASE_URL={url.render_as_string(hide_password=True)}): "

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from outbox.config import Settings
-from supervisor.cli.common import (Subcommands, UserError, in_memory_problem, positive_int, require_database,
-                                   schema_problem)
+from supervisor.cli.common import (Subcommands, UserError, positive_int, require_database, schema_problem,
+                                   sqlite_file_problem)
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -21,7 +21,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from outbox.migrate import head_revision, upgrade
     from supervisor.cycle.operator_engine import operator_engine
 
-    problem = in_memory_problem(settings)  # a missing file is what migrate creates
+    problem = sqlite_file_problem(settings)  # a missing file is what migrate creates
     if problem:
         raise UserError(problem)
     before, after = upgrade(operator_engine(settings, make_engine), args.revision)

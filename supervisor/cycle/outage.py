@@ -69,6 +69,17 @@ _POOLER_REFUSALS = (
 )
 
 
+# SQLite's errors that are not a lost connection, though sqlite3 raises them all alike.
+_SQLITE_FAILURES = (
+    ("is locked", Cause("timeout", "the SQLite write lock was held past the busy timeout (30 s) by another "
+                                   "process: a long transaction of the seller's, or another writer")),
+    ("readonly database", Cause("statement", "the SQLite file, or its directory, is read-only to this process: it "
+                                             "writes the file and the -wal and -shm files beside it")),
+    ("unable to open database file", Cause("connection", "SQLite cannot open the file: its directory must exist "
+                                                         "and be writable (the -wal and -shm files go beside it)")),
+)
+
+
 def diagnose(exc: BaseException) -> Cause:
     """The cause of a failed database call, from the driver's error (SQLAlchemy's or psycopg's)."""
     error = getattr(exc, "orig", None) or exc
@@ -87,6 +98,10 @@ def diagnose(exc: BaseException) -> Cause:
     for words, cause in _POOLER_REFUSALS:  # PgBouncer's own errors name its settings, not the database's
         if words in str(error):
             return cause
+    if type(error).__module__ == "sqlite3":  # every one an OperationalError: named by its words
+        for words, cause in _SQLITE_FAILURES:
+            if words in str(error):
+                return cause
     if isinstance(error, OSError) or _lost_connection(error, state):
         return Cause("connection", f"database unreachable ({type(error).__name__})")
     return Cause("statement", f"statement failed ({type(error).__name__})")
