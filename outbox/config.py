@@ -215,6 +215,10 @@ class Settings:
         if self.listen_database_url is not None and not _POSTGRESQL_URL.match(self.listen_database_url):
             raise ConfigurationError("OUTBOX_LISTEN_DATABASE_URL must be a postgresql:// URL (a direct connection "
                                      "for LISTEN)")
+        if self.seller_agent_url is not None and not _is_agent_url(self.seller_agent_url):  # checked now, not at
+            raise ConfigurationError(  # the first subscriber's registration
+                "OUTBOX_SELLER_AGENT_URL must be the seller agent's absolute http(s) URL, without credentials in it: "
+                "every webhook.challenge sends it to buyers")
         if self.tls_trust not in ("certifi", "system"):
             raise ConfigurationError(f"OUTBOX_TLS_TRUST must be certifi or system, got {self.tls_trust!r}")
         if self.operator_events_format not in ("json", "slack"):
@@ -262,10 +266,30 @@ def parse_addr(addr: str, variable: str, *, lowest_port: int = 0) -> tuple[str, 
     ``OUTBOX_UI_ADDR``, whose address ``outboxd ui`` prints before binding it.
     """
     host, sep, port = addr.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not lowest_port <= int(port) <= 65535:
-        raise ConfigurationError(f"{variable} must be host:port with a port from {lowest_port} to 65535, "
-                                 f"got {addr!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    # An IPv6 address only in brackets (unbracketed, where would its port start?), else a
+    # host name or IPv4 address: "http://h:80" is a URL, not an address to bind.
+    good_host = not host or (_is_ipv6(host) if bracketed else bool(_HOST_NAME.fullmatch(host)))
+    if not sep or not (port.isascii() and port.isdigit()) or not lowest_port <= int(port) <= 65535 or not good_host:
+        raise ConfigurationError(f"{variable} must be host:port ([v6]:port for IPv6) with a port from {lowest_port} "
+                                 f"to 65535, got {addr!r}")
+    return host or "0.0.0.0", int(port)
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
+
+
+def _is_agent_url(value: str) -> bool:
+    parts = urlsplit(value)
+    return parts.scheme in ("https", "http") and bool(parts.hostname) and not parts.username and not parts.password
 
 
 def _is_origin(value: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import re
 from typing import Any, Mapping
 
 from outbox.errors import ConfigurationError
@@ -37,7 +38,8 @@ def _parse_bool(name: str, raw: Any) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ConfigurationError(f"{ENV_PREFIX}{name.upper()} must be true or false, got {raw!r}")
+    raise ConfigurationError(f"{ENV_PREFIX}{name.upper()} must be true or false (or 1/0, yes/no, on/off), "
+                             f"got {raw!r}")
 
 
 def _parse_cidrs(raw: Any) -> tuple[Network, ...]:
@@ -87,6 +89,9 @@ def _parse_tenant_keys(raw: Any) -> dict[str, tuple[str, str]]:
     return keys
 
 
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+
+
 def coerce(name: str, annotation: str, raw: Any) -> Any:
     """``raw`` as the setting ``name`` (declared as ``annotation`` on Settings) holds it."""
     if name == "allowed_cidrs":
@@ -95,18 +100,20 @@ def coerce(name: str, annotation: str, raw: Any) -> Any:
         return _parse_encryption_key(raw)
     if name == "encryption_old_keys":
         return _parse_old_keys(raw)
-    if name in ("database_url", "listen_database_url"):
-        return normalize_database_url(str(raw))
+    if name in ("database_url", "listen_database_url"):  # a pasted URL's newline is no part of it
+        return normalize_database_url(str(raw).strip())
     if name in ("sinks", "operator_event_sinks"):
         items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
         return tuple(s.strip() for s in items if str(s).strip())
     if name == "tenant_signing_keys":
         return _parse_tenant_keys(raw)
+    if annotation.startswith("bool"):
+        return _parse_bool(name, raw)
     try:
-        if annotation.startswith("bool"):
-            return _parse_bool(name, raw)
         if annotation.startswith("int"):
-            if isinstance(raw, (bool, float)):  # TOML: 2.5 or true for a count
+            # TOML's 2.5 or true for a count; and what int() takes that no one means by a
+            # number: "5_0" (50), "٣" (3)
+            if isinstance(raw, (bool, float)) or (isinstance(raw, str) and not _WHOLE.fullmatch(raw.strip())):
                 raise ValueError(raw)
             return int(raw)
         if annotation.startswith("float"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import typing
@@ -73,6 +74,11 @@ def test_bad_values_are_refused_naming_the_variable(name: str, raw: str) -> None
     ("OUTBOX_METRICS_ADDR", "9464"),
     ("OUTBOX_UI_ADDR", "127.0.0.1:99999"),
     ("OUTBOX_UI_ADDR", "127.0.0.1:0"),  # a free port the printed address could not name
+    ("OUTBOX_METRICS_ADDR", "http://127.0.0.1:9100"),  # a URL, not an address to bind
+    ("OUTBOX_METRICS_ADDR", "a b:80"),
+    ("OUTBOX_UI_ADDR", "[::1:80"),  # brackets that do not close
+    ("OUTBOX_UI_ADDR", "::1:80"),  # an IPv6 address without its brackets: where does the port start?
+    ("OUTBOX_UI_ADDR", "[example.com]:80"),  # brackets hold an IPv6 address only
 ])
 def test_an_address_with_no_port_to_bind_is_refused_naming_the_variable(variable: str, raw: str) -> None:
     with pytest.raises(ConfigurationError) as caught:
@@ -81,9 +87,29 @@ def test_an_address_with_no_port_to_bind_is_refused_naming_the_variable(variable
     assert message.startswith(variable) and "65535" in message and "\n" not in message
 
 
+@pytest.mark.parametrize(("variable", "raw", "words"), [
+    ("OUTBOX_ALLOW_HTTP", "Y", "must be true or false (or 1/0, yes/no, on/off), got 'Y'"),
+    ("OUTBOX_CONCURRENCY", "5_0", "'5_0' is not a valid int"),  # int() reads 50
+    ("OUTBOX_CONCURRENCY", "\u0663", "is not a valid int"),  # an Arabic-Indic 3 to int()
+])
+def test_values_python_would_read_but_no_one_writes_are_refused(variable: str, raw: str, words: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(words)):
+        load_settings(env={variable: raw})
+
+
+@pytest.mark.parametrize("raw", ["not a url", "ftp://agent.example", "https://u:hunter2@agent.example/mcp"])
+def test_a_seller_agent_url_is_checked_at_start_not_at_the_first_registration(raw: str) -> None:
+    with pytest.raises(ConfigurationError, match="OUTBOX_SELLER_AGENT_URL") as caught:
+        load_settings(env={"OUTBOX_SELLER_AGENT_URL": raw})
+    assert "hunter2" not in str(caught.value)
+    assert load_settings(env={"OUTBOX_SELLER_AGENT_URL": "https://agent.example/mcp"}).seller_agent_url
+
+
 def test_addresses_that_are_legal() -> None:
     s = load_settings(env={"OUTBOX_METRICS_ADDR": "[::1]:0", "OUTBOX_UI_ADDR": "0.0.0.0:65535"})
     assert (s.metrics_addr, s.ui_addr) == ("[::1]:0", "0.0.0.0:65535")
+    for legal in (":9464", "localhost:9464", "outboxd-0.outboxd.svc:9464", "[fe80::1]:9464"):
+        assert load_settings(env={"OUTBOX_METRICS_ADDR": legal}).metrics_addr == legal
     assert load_settings(env={"OUTBOX_METRICS_ADDR": ""}).metrics_addr in ("", None)  # empty: no endpoint
 
 

@@ -446,6 +446,8 @@ _BAD_FILES: dict[str, tuple[bytes | None, str | None, str]] = {
     "jwk-mismatched-x": (json.dumps({**_private_jwk(_ED, "k"), "x": _OTHER_X}).encode(), None, "do not match"),
     "jwk-without-kid": (json.dumps({**_private_jwk(_ED, "k"), "kid": None}).encode(), None, "no key id"),
     "bad-key-id": (_pem(_ED), "k\u00e9y", "not printable ASCII"),
+    "key-id-with-a-space": (_pem(_ED), "k1 ", "begins or ends with a space"),  # published, never matched
+    "blank-key-id": (_pem(_ED), " ", "begins or ends with a space"),
 }
 
 

@@ -203,6 +203,21 @@ def test_a_short_token_is_refused_off_loopback(pg_url, tmp_path, token):
     assert done.returncode != 0 and "needs at least 32" in done.stderr
 
 
+def test_an_address_the_console_cannot_listen_on_is_one_line_before_any_token(pg_url, tmp_path):
+    import socket
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        env = {**console_env(pg_url), "OUTBOX_UI_ADDR": f"127.0.0.1:{taken.getsockname()[1]}"}
+        env.pop("OUTBOX_UI_TOKEN", None)
+        done = subprocess.run([sys.executable, "-m", "supervisor.cli", "ui"], env=env, capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        taken.close()
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "OUTBOX_UI_ADDR 127.0.0.1:" in done.stderr and "cannot listen there" in done.stderr
+    assert "sign in with token" not in done.stderr
+
+
 def test_a_short_token_is_fine_on_loopback(pg_url, tmp_path):
     port = procs.free_port()
     proc = procs.start_ui({**console_env(pg_url), "OUTBOX_UI_TOKEN": "short"}, port, tmp_path / "ui.log")

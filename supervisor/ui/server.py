@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+import socket
 import sys
 
 from outbox.config import Settings, parse_addr
@@ -31,13 +32,31 @@ def serve(settings: Settings) -> int:
         # Off loopback the token is all that stands between the network and replay or reset.
         raise ValueError(f"OUTBOX_UI_TOKEN has {len(settings.ui_token)} characters: a console listening on {host} "
                          f"needs at least {MIN_REMOTE_TOKEN} (make one with: openssl rand -base64 32)")
+    listening = _listen(host, port)  # before anything is printed: a port in use is one line, no token shown
     token = settings.ui_token or secrets.token_urlsafe(24)
-    print(f"outboxd ui: http://{host}:{port}/ ", file=sys.stderr, end="")
+    shown = f"[{host}]" if ":" in host else host
+    print(f"outboxd ui: http://{shown}:{port}/ ", file=sys.stderr, end="")
     print("(sign in with OUTBOX_UI_TOKEN)" if settings.ui_token else f"(sign in with token {token})",
           file=sys.stderr, flush=True)
     if not _is_loopback(host):
         print(f"outboxd ui: warning: listening on {host}, not loopback: put TLS in front of it", file=sys.stderr)
     # A page still waiting when told to stop gets the shutdown grace, as the daemon's requests do.
-    uvicorn.run(make_app(settings, token), host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+    config = uvicorn.Config(make_app(settings, token), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+    uvicorn.Server(config).run(sockets=[listening])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The console's listening socket, or one line naming OUTBOX_UI_ADDR and why it cannot be
+    (a port in use, an address not on this host, a name that does not resolve)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listening = socket.socket(family, socket.SOCK_STREAM)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind((host, port))
+        listening.listen(2048)
+    except OSError as exc:
+        raise ValueError(f"OUTBOX_UI_ADDR {host}:{port}: cannot listen there ({exc.strerror or exc})") from None
+    listening.set_inheritable(True)
+    return listening

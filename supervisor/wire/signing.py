@@ -112,6 +112,8 @@ class SigningKey:
 
     def __post_init__(self) -> None:
         _sf_string(self.key_id)  # fail at load time, not on the first attempt
+        if self.key_id != self.key_id.strip():  # published and compared exactly: "k1 " is not "k1"
+            raise ValueError(f"key id {self.key_id!r} begins or ends with a space")
         if not self.key_id or _alg_of(self.private_key) != self.alg:
             raise ValueError(f"key {self.key_id!r}: needs a non-empty key id and a key matching alg {self.alg!r}")
 
