@@ -82,6 +82,27 @@ async def test_a_job_replays_its_selection_once_and_obeys_pause_resume_and_cance
     assert all(states[i] == "dead" for i in other_tenant + old)
 
 
+async def test_a_finished_job_accounts_for_messages_that_left_its_selection(engine):
+    """Counted at the start, then replayed by hand before the job reached them: the finished
+    job says so, rather than ending "3/6 replayed" with nothing skipped and nothing remaining."""
+    dead = enqueue_tasks(engine, "rj", "http://127.0.0.1:9/a", 6)
+    _kill(engine, dead, "gone")
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            job = await recovery.create(conn, recovery.Selection("rj", time.time() - 3600), force=False, rate=100)
+        with engine.begin() as conn:  # an operator replays three of them meanwhile
+            conn.execute(update(messages).where(messages.c.id.in_(dead[:3])).values(state="pending", dead_reason=None,
+                                                                                   finished_at=None))
+        while await runner.run_chunk(async_engine, job["id"], daemon_id="d1", horizon_seconds=86_400):
+            pass
+        async with async_engine.begin() as conn:
+            done = await recovery.show(conn, job["id"])
+    finally:
+        await async_engine.dispose()
+    assert (done["state"], done["done"], done["skipped"], done["left"], done["remaining"]) == ("done", 3, 0, 3, 0)
+
+
 async def test_the_runner_keeps_to_the_rate(pg_engine):
     ids = enqueue_tasks(pg_engine, "acme", "http://127.0.0.1:9/a", 30)
     _kill(pg_engine, ids, "gone")

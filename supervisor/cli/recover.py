@@ -34,12 +34,16 @@ def _print_job(job: dict[str, Any]) -> None:
     if job["kind"] == "cancel":
         print(f"job {job['id']}  {job['state']}  cancel pending  {scope}  enqueued {job['since']} to {job['until']}")
         print(f"  cancelled {job['done']}/{job['total']}, skipped {job['skipped']} (in flight or no longer pending), "
-              f"at most {job['rate']:g}/s; updated {job['updated_at']}")
+              f"{_left(job)}at most {job['rate']:g}/s; updated {job['updated_at']}")
         return
     print(f"job {job['id']}  {job['state']}  {scope}  reason={job['reason'] or 'any'}  since {job['since']}"
           f"{'  --force' if job['force'] else ''}")
     print(f"  replayed {job['done']}/{job['total']}, skipped {job['skipped']} (past the horizon without --force), "
-          f"at most {job['rate']:g}/s; updated {job['updated_at']}")
+          f"{_left(job)}at most {job['rate']:g}/s; updated {job['updated_at']}")
+
+
+def _left(job: dict[str, Any]) -> str:
+    return f"{job['left']} left the selection before it reached them, " if job["left"] else ""
 
 
 def _selection(args: argparse.Namespace) -> Selection:

@@ -115,7 +115,11 @@ def _job(row: Any) -> dict[str, Any]:
     data = dict(row._mapping)
     for name in ("since", "until", "lease_until", "created_at", "updated_at"):
         data[name] = rfc3339(data[name])
-    data["remaining"] = max(data["total"] - data["done"] - data["skipped"], 0) if data["state"] != "done" else 0
+    unaccounted = max(data["total"] - data["done"] - data["skipped"], 0)
+    data["remaining"] = unaccounted if data["state"] != "done" else 0
+    # Counted at the start, gone from the selection before the job reached them (replayed or
+    # cancelled by hand, purged): a finished job accounts for every message it counted.
+    data["left"] = unaccounted if data["state"] == "done" else 0
     return data
 
 

@@ -79,5 +79,10 @@ def millis(value: float | None) -> str:
     return f"{value:.0f} ms" if value < 1000 else f"{value / 1000:.2f} s"
 
 
+def about(seconds: float) -> str:
+    """An estimate of a span: "about 4 min 12 s", or "under 1 s" (never "about under 1 s")."""
+    return duration(seconds) if abs(seconds) < 1 else f"about {duration(seconds)}"
+
+
 def install(env: Environment) -> None:
-    env.filters.update(label=label, duration=duration, when=when, percent=percent, millis=millis)
+    env.filters.update(label=label, duration=duration, about=about, when=when, percent=percent, millis=millis)

@@ -42,7 +42,8 @@ def routes(kit: Kit) -> list[Route]:
         async with kit.reader().connect() as conn:
             listed, total = await jobs.list_jobs(conn)
             now = await store.db_now(conn)
-        return kit.render(request, "jobs.html", refreshes=True, jobs=listed, total=total, now=now, reasons=DEAD_REASONS,
+        return kit.render(request, "jobs.html", refreshes=True, jobs=listed, total=total, now=now,
+                          reasons=[r for r in DEAD_REASONS if r not in store.NEVER_REPLAYED],
                           rate_default=JOB_RATE_DEFAULT)
 
     async def job_page(request: Request) -> Response:
