@@ -9,6 +9,7 @@ import collections
 import json
 import signal
 import time
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select, text, update
@@ -82,15 +83,21 @@ async def test_a_job_replays_its_selection_once_and_obeys_pause_resume_and_cance
     assert all(states[i] == "dead" for i in other_tenant + old)
 
 
+async def _dead_and_a_job(engine, tenant: str, n: int, *, rate: float) -> tuple[list[int], Any, dict[str, Any]]:
+    """``n`` of ``tenant``'s messages dead a minute ago, an async engine, and a job replaying them."""
+    ids = enqueue_tasks(engine, tenant, "http://127.0.0.1:9/a", n)
+    _kill(engine, ids, "gone")
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    async with async_engine.begin() as conn:
+        job = await recovery.create(conn, recovery.Selection(tenant, time.time() - 3600), force=False, rate=rate)
+    return ids, async_engine, job
+
+
 async def test_a_finished_job_accounts_for_messages_that_left_its_selection(engine):
     """Counted at the start, then replayed by hand before the job reached them: the finished
     job says so, rather than ending "3/6 replayed" with nothing skipped and nothing remaining."""
-    dead = enqueue_tasks(engine, "rj", "http://127.0.0.1:9/a", 6)
-    _kill(engine, dead, "gone")
-    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    dead, async_engine, job = await _dead_and_a_job(engine, "rj", 6, rate=100)
     try:
-        async with async_engine.begin() as conn:
-            job = await recovery.create(conn, recovery.Selection("rj", time.time() - 3600), force=False, rate=100)
         with engine.begin() as conn:  # an operator replays three of them meanwhile
             conn.execute(update(messages).where(messages.c.id.in_(dead[:3])).values(state="pending", dead_reason=None,
                                                                                    finished_at=None))
@@ -104,12 +111,8 @@ async def test_a_finished_job_accounts_for_messages_that_left_its_selection(engi
 
 
 async def test_the_runner_keeps_to_the_rate(pg_engine):
-    ids = enqueue_tasks(pg_engine, "acme", "http://127.0.0.1:9/a", 30)
-    _kill(pg_engine, ids, "gone")
-    async_engine = make_async_engine(pg_engine.url.render_as_string(hide_password=False))
+    ids, async_engine, job = await _dead_and_a_job(pg_engine, "acme", 30, rate=10)
     try:
-        async with async_engine.begin() as conn:
-            job = await recovery.create(conn, recovery.Selection("acme", time.time() - 3600), force=False, rate=10)
         running = asyncio.create_task(runner.JobRunner(async_engine, daemon_id="d", horizon_seconds=86_400,
                                                        outage=OutageGuard(30)).run())
         started = time.monotonic()
