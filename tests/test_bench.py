@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import uuid
 from collections.abc import Iterator
@@ -65,7 +66,10 @@ def test_bench_reports_every_figure(bench_url: str, capsys: pytest.CaptureFixtur
     figures = report["figures"]
     assert expected <= figures.keys()
     for name in expected:
-        assert isinstance(figures[name], (int, float)) and figures[name] > 0, name
+        assert isinstance(figures[name], (int, float)) and math.isfinite(figures[name]), name
+        # What an enqueue adds is a difference of two medians: in a short run on a busy box it
+        # may come out a hair below zero; every other figure is a positive measurement.
+        assert figures[name] > (-0.5 if name.endswith("_added_p50_ms") else 0), (name, figures[name])
     assert figures["bare_best_concurrency"] in (1, 8)
     phases = report["phases"]
     assert {"bare_c1", "bare_c8", "bare_c1_again", "bare_c8_again"} <= phases.keys()

@@ -86,6 +86,8 @@ def test_a_running_daemon_stops_in_one_line_once_the_database_is_too_new_for_it(
     with procs.receiver(tmp_path, jwks, verifier="library") as (receiver_port, log):
         enqueue_many(pg_engine, f"http://127.0.0.1:{receiver_port}", ["/ok"])
         daemon = start(old_root, procs.daemon_env(pg_url, key), tmp_path / "old.log")
+        with pg_engine.connect() as conn:  # kept between tests (tests/tables.py): put back after
+            recorded = conn.execute(text("SELECT revision, min_reader_revision FROM outbox_schema_compat")).all()
         try:
             assert procs.wait_until(lambda: finished(pg_engine, 1), 40), (tmp_path / "old.log").read_text()[-800:]
             with pg_engine.begin() as conn:
@@ -94,6 +96,10 @@ def test_a_running_daemon_stops_in_one_line_once_the_database_is_too_new_for_it(
             assert daemon.wait(30) == 1
         finally:
             procs.stop(daemon)
+            with pg_engine.begin() as conn:
+                for revision, min_reader in recorded:
+                    conn.execute(text("UPDATE outbox_schema_compat SET min_reader_revision = :m WHERE revision = :r"),
+                                 {"m": min_reader, "r": revision})
     last = (tmp_path / "old.log").read_text().splitlines()[-1]
     assert last == (f"outboxd run: database schema is at {head_revision()}, newer than this outboxd ({old_head}) "
                     "can read: upgrade outboxd")
