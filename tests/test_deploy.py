@@ -215,6 +215,11 @@ def _alert_rules() -> dict[str, dict]:
     return {rule["alert"]: rule for group in doc["groups"] for rule in group["rules"]}
 
 
+def test_the_systemd_unit_leaves_the_process_metrics_their_proc_files():
+    unit = (DEPLOY / "systemd" / "outboxd.service").read_text()
+    assert not re.search(r"^ProcSubset=pid", unit, re.M)  # hides /proc/stat: every process_* metric gone
+
+
 def test_the_kubernetes_base_deploys_this_release():
     import tomllib
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
