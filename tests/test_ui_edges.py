@@ -110,3 +110,19 @@ def test_an_action_without_a_session_is_refused_before_its_form_is_read(engine):
         answer = client.post("/replay", content=body(),
                              headers={"content-type": "application/x-www-form-urlencoded"})
     assert answer.status_code == 401 and not read
+
+
+def test_a_confirmation_acts_once_and_a_failed_one_may_be_posted_again():
+    from supervisor.ui.once import ACTING, KEPT, Confirmations
+    confirmations = Confirmations()
+    token = confirmations.issue()
+    assert confirmations.spend(token) == (True, None)
+    assert confirmations.spend(token) == (False, ACTING)  # a second post while the first acts
+    confirmations.settle(token, None)  # the first failed: nothing done to show
+    assert confirmations.spend(token) == (True, None)
+    confirmations.settle(token, "done")
+    assert confirmations.spend(token) == (False, "done") and confirmations.outcome(token) == "done"
+    assert confirmations.spend("never-issued") == (False, None)
+    for _ in range(KEPT):
+        confirmations.issue()
+    assert confirmations.outcome(token) is None  # the oldest are forgotten past KEPT

@@ -253,8 +253,13 @@ def make_app(settings: Settings, token: str) -> Starlette:
         token = str(form.get("once") or "")
         first, _ = confirmations.spend(token)
         if first:
-            confirmations.settle(token, await replay(state["engine"], ids=ids, filters=filters, force=False,
-                                                     dry_run=False, horizon_seconds=settings.retry_horizon_seconds))
+            try:
+                done = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=False,
+                                    horizon_seconds=settings.retry_horizon_seconds)
+            except BaseException:  # nothing to show: the same confirmation may be posted again (what a
+                confirmations.settle(token, None)  # failed chunk replayed is pending now, and refused)
+                raise
+            confirmations.settle(token, done)
         elif confirmations.outcome(token) is None:
             return render(request, "error.html", 400, message="This confirmation is not one the console issued, "
                                                               "or it has forgotten it: review the replay again.")
