@@ -128,7 +128,8 @@ def test_the_job_listing_says_when_it_left_older_jobs_out(sqlite_engine, capsys,
 
 
 @pytest.mark.parametrize("args", [("status",), ("list",), ("show", "1"), ("breakers", "list"), ("endpoints",),
-                                  ("recover", "list"), ("subscribers", "list"), ("encryption", "status")])
+                                  ("recover", "list"), ("subscribers", "list"), ("encryption", "status"),
+                                  ("replay", "--dry-run", "--state", "pending")])
 def test_reading_commands_neither_wait_for_nor_take_sqlites_write_lock(sqlite_engine, capsys, monkeypatch, args):
     """A seller's transaction holding the write lock does not hold up a command that only
     reads (WAL readers read a snapshot), and such a command never takes the lock itself, so
@@ -161,6 +162,32 @@ def test_migrate_into_a_directory_that_does_not_exist_names_it(tmp_path, capsys,
                         ("~/x.db", "a ~ is not expanded")):
         code, out, err = cli(capsys, monkeypatch, f"sqlite:///{path}", "migrate")
         assert code == 1 and one_line(err) and words in err and out == "", err
+
+
+def test_a_replay_that_fails_part_way_says_what_it_replayed(pg_engine, capsys, monkeypatch):
+    """A replay commits in chunks of 500: one failing in its second chunk has replayed the
+    first, and says so (it used to raise, and the console offered the same confirmation again)."""
+    from sqlalchemy import text
+    enqueue_many(pg_engine, "https://buyer.example/hook", [""] * 600, per_txn=600)
+    with pg_engine.begin() as conn:
+        conn.execute(messages.update().values(state="dead", dead_reason="gone", finished_at=1.0, retry_until=9e9))
+        conn.execute(text("CREATE FUNCTION refuse_550() RETURNS trigger LANGUAGE plpgsql AS "
+                          "$$ BEGIN RAISE EXCEPTION 'chunk refused'; END $$"))
+        conn.execute(text("CREATE TRIGGER refuse_550 BEFORE UPDATE ON outbox_messages FOR EACH ROW "
+                          "WHEN (NEW.id = 550 AND NEW.state = 'pending') EXECUTE FUNCTION refuse_550()"))
+    try:
+        code, out, err = cli(capsys, monkeypatch, url_of(pg_engine), "replay", "--state", "dead", "--limit", "600",
+                             "--json")
+    finally:
+        with pg_engine.begin() as conn:
+            conn.execute(text("DROP TRIGGER refuse_550 ON outbox_messages"))
+            conn.execute(text("DROP FUNCTION refuse_550()"))
+    result = json.loads(out)
+    assert code == 1 and result["replayed"] == list(range(1, 501)) and "chunk refused" in result["error"]
+    assert "stopped part-way" in err and one_line(err)
+    with pg_engine.connect() as conn:
+        pending = conn.execute(text("SELECT count(*) FROM outbox_messages WHERE state = 'pending'")).scalar_one()
+    assert pending == 500
 
 
 def test_an_open_breaker_shows_the_failures_that_tripped_it(sqlite_engine, capsys, monkeypatch):

@@ -112,17 +112,35 @@ def test_an_action_without_a_session_is_refused_before_its_form_is_read(engine):
     assert answer.status_code == 401 and not read
 
 
-def test_a_confirmation_acts_once_and_a_failed_one_may_be_posted_again():
-    from supervisor.ui.once import ACTING, KEPT, Confirmations
-    confirmations = Confirmations()
+async def test_a_confirmation_acts_once_however_often_and_however_soon_it_is_posted_again():
+    """Every post of one confirmation gets the first's outcome, a post arriving while the first
+    still acts included (it waits); an act that raised (it changed nothing) may be posted again."""
+    import asyncio
+    from supervisor.ui.once import KEPT, Confirmations
+    confirmations, acted = Confirmations(), []
+
+    async def act() -> str:
+        acted.append(1)
+        await asyncio.sleep(0.05)
+        return f"done {len(acted)}"
+
     token = confirmations.issue()
-    assert confirmations.spend(token) == (True, None)
-    assert confirmations.spend(token) == (False, ACTING)  # a second post while the first acts
-    confirmations.settle(token, None)  # the first failed: nothing done to show
-    assert confirmations.spend(token) == (True, None)
-    confirmations.settle(token, "done")
-    assert confirmations.spend(token) == (False, "done") and confirmations.outcome(token) == "done"
-    assert confirmations.spend("never-issued") == (False, None)
+    assert confirmations.known(token) and not confirmations.known("never-issued")
+    outcomes = await asyncio.gather(*(confirmations.act_once(token, act) for _ in range(3)))
+    assert outcomes == ["done 1"] * 3 and len(acted) == 1 and confirmations.outcome(token) == "done 1"
+    assert await confirmations.act_once(token, act) == "done 1" and len(acted) == 1
+
+    async def fails() -> str:
+        raise ConnectionError("the database went away before anything changed")
+
+    failing = confirmations.issue()
+    for _ in range(2):
+        try:
+            await confirmations.act_once(failing, fails)
+        except ConnectionError:
+            pass
+    assert confirmations.outcome(failing) is None
+    assert await confirmations.act_once(failing, act) == "done 2"
     for _ in range(KEPT):
         confirmations.issue()
-    assert confirmations.outcome(token) is None  # the oldest are forgotten past KEPT
+    assert not confirmations.known(token)  # the oldest are forgotten past KEPT

@@ -105,6 +105,8 @@ def test_a_recovery_job_is_counted_started_paused_resumed_and_cancelled(engine, 
     confirm = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', dry.text.split("confirm-job")[1]))
     started = client.post("/jobs/start", data=confirm, follow_redirects=False)
     assert started.status_code == 303 and started.headers["location"] == "/jobs/1?notice=job-started"
+    again = client.post("/jobs/start", data=confirm, follow_redirects=False)  # a double click: the same job
+    assert again.headers["location"] == started.headers["location"]
     assert job_state(engine) == [("running", matched)]
     page = client.get(started.headers["location"]).text
     assert "Recovery job started" in page and f'data-done="0" data-total="{matched}"' in page

@@ -162,6 +162,9 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         if result.more_matched:
             print(f"{result.more_matched} more matched, left alone: raise --limit (now {args.limit}) "
                   "or narrow the filter")
+    if result.error is not None:  # stderr, in JSON too: the listed ones are replayed, the rest not
+        print(f"outboxd replay: stopped part-way, the rest not replayed: database error: {result.error}",
+              file=sys.stderr)
     return 0 if result.complete else 1
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import store
+from outbox.db import error_line, reading
 from supervisor.operator import ops
 
 CHUNK = 500  # messages per transaction: daemons start on each chunk as it commits
@@ -31,15 +32,18 @@ class ReplayResult:
     refused: list[dict[str, Any]] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
     more_matched: int = 0  # matches past the filter's limit, left alone
+    # Why it stopped part-way: the chunks before it are replayed (committed), the rest not.
+    error: str | None = None
 
     @property
     def complete(self) -> bool:
         """Everything asked for was (or would be) replayed: nothing refused, unknown or left over."""
-        return not self.refused and not self.missing and not self.more_matched
+        return not self.refused and not self.missing and not self.more_matched and self.error is None
 
     def as_dict(self) -> dict[str, Any]:
         return {"dry_run": self.dry_run, "would_replay" if self.dry_run else "replayed": self.replayed,
-                "refused": self.refused, "missing": self.missing, "more_matched": self.more_matched}
+                "refused": self.refused, "missing": self.missing, "more_matched": self.more_matched,
+                **({"error": self.error} if self.error is not None else {})}
 
 
 async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.Filters | None = None,
@@ -50,7 +54,7 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
     ``horizon_seconds`` is ``OUTBOX_RETRY_HORIZON_SECONDS``: a message's horizon counts from
     enqueue, and a forced replay gets a fresh one from now.
     """
-    async with engine.begin() as conn:
+    async with reading(engine).begin() as conn:  # the selection only reads: no SQLite write lock for it
         more = 0
         if filters is not None and filters.key and not filters.tenant:
             await ops.one_tenant_uses(conn, filters.key)
@@ -71,10 +75,15 @@ async def replay(engine: AsyncEngine, *, ids: Sequence[int] = (), filters: ops.F
         result.replayed = [c["id"] for c in eligible]
         return result
     for start in range(0, len(eligible), CHUNK):  # one short transaction per chunk
-        async with engine.begin() as conn:
-            result.replayed += sorted(await store.replay(  # RETURNING keeps no order: list them by id
-                conn, [c["id"] for c in eligible[start:start + CHUNK]], force=force, horizon_seconds=horizon_seconds))
-            await store.notify(conn)
+        try:
+            async with engine.begin() as conn:
+                result.replayed += sorted(await store.replay(  # RETURNING keeps no order: list them by id
+                    conn, [c["id"] for c in eligible[start:start + CHUNK]], force=force,
+                    horizon_seconds=horizon_seconds))
+                await store.notify(conn)
+        except Exception as exc:  # the chunks before are committed: say what was done, and why it stopped
+            result.error = error_line(exc)
+            return result
         if progress is not None and len(eligible) > CHUNK:
             progress(len(result.replayed), len(eligible))
     return result

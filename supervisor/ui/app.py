@@ -90,7 +90,7 @@ async def endpoint_health(conn: AsyncConnection, scope: Scope, endpoints: list[d
 def make_app(settings: Settings, token: str) -> Starlette:
     """The console as an ASGI app, signed in with ``token``."""
     sessions = Sessions(token)
-    confirmations = Confirmations()
+    confirmations = Confirmations()  # replays and recovery jobs: each confirmation acts once
     state: dict[str, AsyncEngine] = {}
 
     @asynccontextmanager
@@ -251,18 +251,13 @@ def make_app(settings: Settings, token: str) -> Starlette:
                                   horizon_seconds=settings.retry_horizon_seconds)
             return await replay_page(request, result, once=confirmations.issue())
         token = str(form.get("once") or "")
-        first, _ = confirmations.spend(token)
-        if first:
-            try:
-                done = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=False,
-                                    horizon_seconds=settings.retry_horizon_seconds)
-            except BaseException:  # nothing to show: the same confirmation may be posted again (what a
-                confirmations.settle(token, None)  # failed chunk replayed is pending now, and refused)
-                raise
-            confirmations.settle(token, done)
-        elif confirmations.outcome(token) is None:
+        if not confirmations.known(token):
             return render(request, "error.html", 400, message="This confirmation is not one the console issued, "
                                                               "or it has forgotten it: review the replay again.")
+        # A replay that fails part-way returns what its committed chunks replayed (ReplayResult.error).
+        await confirmations.act_once(token, lambda: replay(
+            state["engine"], ids=ids, filters=filters, force=False, dry_run=False,
+            horizon_seconds=settings.retry_horizon_seconds))
         return RedirectResponse(f"/replay/done?{urlencode({'once': token})}", status_code=303)
 
     async def replay_done(request: Request) -> Response:
@@ -270,7 +265,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
         result = confirmations.outcome(request.query_params.get("once", ""))
-        if not isinstance(result, ReplayResult):  # unknown, or its first post still acting
+        if not isinstance(result, ReplayResult):  # unknown (every post waits for the replay to finish)
             return render(request, "error.html", 404, message="No finished replay under that confirmation: "
                                                               "the console may have restarted since.")
         return await replay_page(request, result)
@@ -307,7 +302,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         return response
 
     kit = Kit(render=render, action_form=action_form, signed_in=signed_in, engine=lambda: state["engine"],
-              reader=lambda: state["reader"])
+              reader=lambda: state["reader"], confirmations=confirmations)
     return Starlette(lifespan=lifespan, middleware=[Middleware(SecurityHeaders)], exception_handlers={DataError: unstorable_value, SQLAlchemyError: database_unavailable}, routes=[
         *recovery.routes(kit),
         Route("/login", login, methods=["GET", "POST"]),

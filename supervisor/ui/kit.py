@@ -11,6 +11,8 @@ from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import Response
 
+from supervisor.ui.once import Confirmations
+
 
 @dataclass(frozen=True)
 class Kit:
@@ -19,6 +21,7 @@ class Kit:
     signed_in: Callable[[Request], bool]
     engine: Callable[[], AsyncEngine]  # for actions (they write)
     reader: Callable[[], AsyncEngine]  # for pages: the same pool, transactions that only read (outbox.db.reading)
+    confirmations: Confirmations  # one-time tokens: a confirmation acts once (supervisor/ui/once.py)
 
     def refuse(self, request: Request, status: int, message: str) -> Response:
         """The error page with a fixed sentence."""

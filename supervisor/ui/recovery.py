@@ -9,6 +9,7 @@ message past its retry horizon is skipped and counted, as the console's replay r
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import urlencode
 
 from starlette.requests import Request
@@ -73,10 +74,18 @@ def routes(kit: Kit) -> list[Route]:
                 now = await store.db_now(conn)
             # the confirmation starts from this count's times
             return kit.render(request, "job_start.html", selection=selection, rate=rate, matched=matched,
-                              since=rfc3339(selection.since), now=now,
+                              since=rfc3339(selection.since), now=now, once=kit.confirmations.issue(),
                               until="" if selection.until is None else rfc3339(selection.until))
-        async with kit.engine().begin() as conn:
-            job = await jobs.create(conn, selection, force=False, rate=rate)
+        token = str(form.get("once") or "")
+        if not kit.confirmations.known(token):
+            return kit.refuse(request, 400, "This confirmation is not one the console issued, or it has forgotten "
+                                            "it: review the job again.")
+
+        async def create() -> dict[str, Any]:
+            async with kit.engine().begin() as conn:
+                return await jobs.create(conn, selection, force=False, rate=rate)
+
+        job = await kit.confirmations.act_once(token, create)  # a second post: the first's job, not another
         return RedirectResponse(f"/jobs/{job['id']}?notice=job-started", status_code=303)
 
     async def change(request: Request) -> Response:
