@@ -4,6 +4,7 @@ through the real daemon, and its quantiles and Prometheus series stay within the
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
@@ -209,6 +210,9 @@ async def test_delivery_lag_leaves_out_the_backlog_a_breaker_holds_back(pg_engin
                 tenant_id="down", origin="https://down.example", state="open", failures=10, successes=0, trips=1,
                 open_until=now - 5, updated_at=now))
         metrics = Metrics()
+        before = [metrics.registry.get_sample_value(name) for name in (
+            "outbox_oldest_due_message_age_seconds", "outbox_delivery_lag_seconds", "outbox_breakers_holding_back")]
+        assert all(math.isnan(value) for value in before)  # not sampled yet (the database away): no 0 claimed
         await sample_gauges(async_engine, metrics)
         oldest = metrics.registry.get_sample_value("outbox_oldest_due_message_age_seconds")
         lag = metrics.registry.get_sample_value("outbox_delivery_lag_seconds")

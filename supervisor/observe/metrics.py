@@ -7,6 +7,8 @@ health of the N busiest endpoints (``OUTBOX_ENDPOINT_METRICS_TOP``): at most N l
 
 from __future__ import annotations
 
+import math
+
 import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -127,10 +129,14 @@ class Metrics:
                                                 "(retried on the next turn).", registry=r)
         self.build_info = Gauge("outbox_build_info", "Version of the running outboxd.", ["version"], registry=r)
         self.build_info.labels(version=package_version()).set(1)
+        # The database's gauges read NaN until their first sample: a daemon restarted while its
+        # database is away has none, and a 0 would read as "nothing waits, no breaker open".
         for state in ("pending", "in_flight"):
-            self.messages.labels(state=state)
+            self.messages.labels(state=state).set(math.nan)
         for state in ("closed", "open", "half_open"):
-            self.breakers.labels(state=state)
+            self.breakers.labels(state=state).set(math.nan)
+        for gauge in (self.oldest_due_age, self.delivery_lag, self.breakers_holding_back):
+            gauge.set(math.nan)
         for outcome in ("proven", "failed"):
             self.proofs.labels(outcome=outcome)
         for outcome in ("released", "dead"):
