@@ -144,3 +144,22 @@ async def test_a_confirmation_acts_once_however_often_and_however_soon_it_is_pos
     for _ in range(KEPT):
         confirmations.issue()
     assert not confirmations.known(token)  # the oldest are forgotten past KEPT
+
+
+async def test_the_overview_lists_an_endpoint_whose_every_message_died(engine, console):
+    """Known by neither a breaker row nor a backlog (its messages died at once: 410), an
+    endpoint with attempts in the last hour is listed with them, as `outboxd endpoints` does."""
+    from outbox.db import make_async_engine
+    from outbox.store import db_now
+    from supervisor.observe import health_stats
+    from supervisor.observe.health_stats import Recorded
+    client, _, _ = console
+    async_engine = make_async_engine(engine.url.render_as_string(hide_password=False))
+    try:
+        async with async_engine.begin() as conn:
+            gone = [Recorded.of("t\u00ebnant", "https://gone.example", "gone", 30, True) for _ in range(2)]
+            await health_stats.record(conn, health_stats.tally(gone, now=await db_now(conn), daemon_id="d"))
+    finally:
+        await async_engine.dispose()
+    page = client.get("/").text
+    assert "https://gone.example" in page and "No endpoint has been sent to yet" not in page

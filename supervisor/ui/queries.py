@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from outbox import store
 from outbox.breaker_rows import shown_columns
-from outbox.schema import attempts, breakers, messages
+from outbox.schema import attempts, breakers, endpoint_stats, messages
 from supervisor.keys import keyring
 from supervisor.operator import ops
 from supervisor.observe.health_stats import FAILED
@@ -87,12 +87,19 @@ async def endpoints(conn: AsyncConnection, scope: Scope, limit: int) -> tuple[li
     """Endpoints (tenant and origin) with their backlog and breaker: open breakers first, then
     the largest backlogs, then the most recently active; and how many more there are.
 
-    An endpoint is known by its breaker row or by waiting messages. Only the endpoints in
-    trouble and ``limit`` recent ones are read, however many endpoints there are."""
+    An endpoint is known by its breaker row, by waiting messages, or by attempts in the last
+    hour (the rollup the charts read: one whose messages all died at once has neither of the
+    others). Only the endpoints in trouble and ``limit`` recent ones are read, however many
+    endpoints there are."""
     waiting = {(t, o): int(n) for t, o, n in await conn.execute(_narrow(
         select(messages.c.tenant_id, messages.c.origin, func.count()).where(messages.c.state.in_(BACKLOG))
         .group_by(messages.c.tenant_id, messages.c.origin), scope)) if o is not None}
-    keys = list(waiting)
+    hour_ago = int(await store.db_now(conn) // 60) - 60  # the rollup counts minutes since the epoch
+    active = [(t, o) for t, o in await conn.execute(_narrow(
+        select(endpoint_stats.c.tenant_id, endpoint_stats.c.origin).where(endpoint_stats.c.minute >= hour_ago)
+        .group_by(endpoint_stats.c.tenant_id, endpoint_stats.c.origin)
+        .order_by(func.max(endpoint_stats.c.minute).desc()).limit(limit), scope, endpoint_stats))]
+    keys = list(set(waiting) | set(active))
     shown = shown_columns(conn)
     chosen = [_narrow(select(*shown).where(breakers.c.state != "closed"), scope, breakers),
               _narrow(select(*shown), scope, breakers).order_by(breakers.c.updated_at.desc()).limit(limit)]
@@ -101,11 +108,11 @@ async def endpoints(conn: AsyncConnection, scope: Scope, limit: int) -> tuple[li
     rows = {(r["tenant_id"], r["origin"]): dict(r) for query in chosen for r in (await conn.execute(query)).mappings()}
     found = [{"tenant_id": t, "origin": o, "backlog": waiting.get((t, o), 0),
               "breaker": ops._breaker(rows[(t, o)]) if (t, o) in rows else None}
-             for t, o in set(waiting) | set(rows)]
+             for t, o in set(keys) | set(rows)]
     found.sort(key=lambda e: ((e["breaker"] or {}).get("updated_at") or "", e["tenant_id"], e["origin"]), reverse=True)
     found.sort(key=lambda e: (e["breaker"] is None or e["breaker"]["state"] == "closed", -e["backlog"]))
     known = (await conn.execute(_narrow(select(func.count()).select_from(breakers), scope, breakers))).scalar_one()
-    known += sum(1 for key in waiting if key not in rows)
+    known += sum(1 for key in keys if key not in rows)  # the active ones: at most ``limit`` of them
     return found[:limit], max(int(known) - min(len(found), limit), 0)
 
 
