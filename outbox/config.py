@@ -31,9 +31,9 @@ SECRET_SETTINGS = frozenset({"encryption_key", "encryption_old_keys", "ui_token"
 MASK = "****"
 # docs/protocol.md, "Retry horizon": delivery_retry_horizon_seconds is 86400..604800.
 MIN_HORIZON = 86_400
+MAX_HORIZON = 604_800
 # docs/protocol.md, "Signing": buyers may cache the seller's JWKS this long.
 JWKS_CACHE_CEILING = 1800
-MAX_HORIZON = 604_800
 MIN_ACTIVITY_RETENTION_DAYS = 30  # webhook-activity-record: retained >= 30 days after completed_at
 
 POOLER_MODES = ("none", "transaction")
@@ -288,6 +288,7 @@ def _is_ipv6(text: str) -> bool:
 
 
 def _is_agent_url(value: str) -> bool:
+    """An absolute http(s) URL without credentials: what buyers are sent as the seller agent."""
     parts = urlsplit(value)
     return parts.scheme in ("https", "http") and bool(parts.hostname) and not parts.username and not parts.password
 
@@ -295,8 +296,7 @@ def _is_agent_url(value: str) -> bool:
 def _is_origin(value: str) -> bool:
     """``scheme://host[:port]`` and nothing else: what a revocation list's issuer must be."""
     parts = urlsplit(value)
-    return (parts.scheme in ("https", "http") and bool(parts.hostname) and not parts.username
-            and parts.path == "" and not parts.query and not parts.fragment)
+    return _is_agent_url(value) and parts.path == "" and not parts.query and not parts.fragment
 
 
 def load_settings(

@@ -135,7 +135,7 @@ class _Statements:
             SELECT min(m.next_attempt_at), {now} FROM outbox_messages AS m
             WHERE m.state = 'pending' AND m.next_attempt_at <= {now}
               AND NOT EXISTS (SELECT 1 FROM outbox_breakers AS b WHERE b.tenant_id = m.tenant_id
-                              AND b.origin = m.origin AND b.state <> 'closed')
+                              AND b.origin = COALESCE(m.origin, '') AND b.state <> 'closed')
         """)
         # Gauges read only the partial indexes of live rows: their cost is what is due,
         # never the history (delivered and dead are counters, outbox_deliveries_total).

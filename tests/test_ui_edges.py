@@ -163,3 +163,18 @@ async def test_the_overview_lists_an_endpoint_whose_every_message_died(engine, c
         await async_engine.dispose()
     page = client.get("/").text
     assert "https://gone.example" in page and "No endpoint has been sent to yet" not in page
+
+
+def test_a_replay_by_a_key_several_tenants_use_is_refused_in_the_console(engine, console):
+    from sqlalchemy import text
+
+    from tests.ledger import enqueue_many
+    client, csrf, _ = console
+    enqueue_many(engine, "https://buyer.example/hook", ["", ""], tenants=2)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE outbox_messages SET idempotency_key = 'whk_shared_0001', state = 'dead', "
+                          "dead_reason = 'gone', finished_at = 1.0, retry_until = 9e9"))
+    dry = client.post("/replay", data={"csrf": csrf, "key": "whk_shared_0001"})
+    assert dry.status_code == 400 and "Several tenants use that idempotency key" in dry.text
+    one = client.post("/replay", data={"csrf": csrf, "key": "whk_shared_0001", "tenant": "tenant-1"})
+    assert one.status_code == 200 and re.findall(r'name="id" value="(\d+)"', one.text) == ["2"]

@@ -169,8 +169,9 @@ def with_engine(settings: Settings, work: Callable[[Any], Any], *, reads_only: b
     async def go() -> Any:
         engine = operator_engine(settings, make_async_engine)
         try:
-            await _check_schema(reading(engine))
-            return await work(reading(engine) if reads_only else engine)
+            reader = reading(engine)
+            await _check_schema(reader)
+            return await work(reader if reads_only else engine)
         finally:
             await engine.dispose()
 

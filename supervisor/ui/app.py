@@ -9,7 +9,7 @@ what the CLI would refuse.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -239,25 +239,25 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if filters is not None and not any(form.get(f) for f in FILTER_FIELDS):
             return render(request, "error.html", 400, message="A replay of matching messages needs at least one "
                                                               "search field filled in.")
-        if filters is not None and filters.key and not filters.tenant:
-            async with state["reader"].connect() as conn:
-                try:
-                    await ops.one_tenant_uses(conn, filters.key)
-                except ops.AmbiguousReference:
-                    return render(request, "error.html", 400, message="Several tenants use that idempotency key: "
-                                                                      "fill in the tenant too, or replay by id.")
-        if form.get("confirm") != "yes":
-            result = await replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=True,
-                                  horizon_seconds=settings.retry_horizon_seconds)
-            return await replay_page(request, result, once=confirmations.issue())
+        confirming = form.get("confirm") == "yes"
         token = str(form.get("once") or "")
-        if not confirmations.known(token):
+        if confirming and not confirmations.known(token):
             return render(request, "error.html", 400, message="This confirmation is not one the console issued, "
                                                               "or it has forgotten it: review the replay again.")
-        # A replay that fails part-way returns what its committed chunks replayed (ReplayResult.error).
-        await confirmations.act_once(token, lambda: replay(
-            state["engine"], ids=ids, filters=filters, force=False, dry_run=False,
-            horizon_seconds=settings.retry_horizon_seconds))
+
+        def run(dry_run: bool) -> Awaitable[ReplayResult]:
+            return replay(state["engine"], ids=ids, filters=filters, force=False, dry_run=dry_run,
+                          horizon_seconds=settings.retry_horizon_seconds)
+
+        try:
+            if not confirming:
+                return await replay_page(request, await run(True), once=confirmations.issue())
+            # A replay that fails part-way returns what its committed chunks replayed (ReplayResult.error);
+            # one refused before it began (a key several tenants use) leaves the confirmation unspent.
+            await confirmations.act_once(token, lambda: run(False))
+        except ops.AmbiguousReference:
+            return render(request, "error.html", 400, message="Several tenants use that idempotency key: "
+                                                              "fill in the tenant too, or replay by id.")
         return RedirectResponse(f"/replay/done?{urlencode({'once': token})}", status_code=303)
 
     async def replay_done(request: Request) -> Response:
