@@ -85,7 +85,8 @@ NUMERIC_BOUNDS: dict[str, Bounds] = {
     "poll_interval_seconds": _seconds(),
     "shutdown_grace_seconds": _seconds(zero=True),
     # Sent to PostgreSQL as statement_timeout in whole milliseconds, a 32-bit integer there.
-    "database_outage_seconds": Bounds(0.001, 2_147_483.0, why=" (PostgreSQL's statement_timeout limit)"),
+    # At least a second: under that an ordinary slow statement would count as the database gone.
+    "database_outage_seconds": Bounds(1.0, 2_147_483.0, why=" (PostgreSQL's statement_timeout limit)"),
     "database_statement_timeout_seconds": Bounds(1.0, 3600.0),
     "retry_base_seconds": _seconds(),
     "retry_max_seconds": _seconds(),
@@ -198,6 +199,11 @@ class Settings:
                           ("breaker_open_seconds", "breaker_max_open_seconds")):
             if getattr(self, high) < getattr(self, low):
                 raise ConfigurationError(f"{ENV_PREFIX}{high.upper()} must be at least {ENV_PREFIX}{low.upper()}")
+        if self.retry_base_seconds >= self.retry_horizon_seconds:
+            raise ConfigurationError(
+                f"OUTBOX_RETRY_BASE_SECONDS ({self.retry_base_seconds:g}) must be below OUTBOX_RETRY_HORIZON_SECONDS "
+                f"({self.retry_horizon_seconds}): the first retry would come after the horizon, so a message "
+                "would get one attempt")
         if not _DATABASE_URL.match(self.database_url):  # the scheme only: the rest may hold a password
             scheme = _SCHEME.match(self.database_url)
             raise ConfigurationError("OUTBOX_DATABASE_URL must be a postgresql:// or sqlite:/// URL, got "
@@ -339,6 +345,11 @@ def load_settings(
                       f"{JWKS_CACHE_CEILING} s AdCP lets buyers cache a JWKS: a promoted key may sign before "
                       "buyers fetch it, and a retired one be unpublished while they still use it (their "
                       "verifiers then reject the webhooks)", ConfigurationWarning, stacklevel=2)
+    if settings.endpoint_concurrency > settings.concurrency:
+        warnings.warn(f"OUTBOX_ENDPOINT_CONCURRENCY={settings.endpoint_concurrency} is above "
+                      f"OUTBOX_CONCURRENCY={settings.concurrency}: a process never has more than "
+                      f"{settings.concurrency} requests in flight, to one origin or to all", ConfigurationWarning,
+                      stacklevel=2)
     return settings
 
 

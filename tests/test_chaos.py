@@ -144,7 +144,7 @@ async def test_claimer_counts_unrecorded_outcomes_against_its_concurrency(any_ur
 
     completer = SlowCompleter()
     settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": any_url, "OUTBOX_CONCURRENCY": "4",
-                                         "OUTBOX_ENDPOINT_CONCURRENCY": "64",  # not under test here
+                                         "OUTBOX_ENDPOINT_CONCURRENCY": "4",  # not under test here
                                          "OUTBOX_CLAIM_BATCH": "2", "OUTBOX_POLL_INTERVAL_SECONDS": "0.05"})
     claimer = Claimer(engine, settings=settings, daemon_id="unit", metrics=Metrics(), attempt=instant,
                       submit=completer.submit, outage=OutageGuard(5), backlog=lambda: completer.backlog)

@@ -129,7 +129,8 @@ def test_the_job_listing_says_when_it_left_older_jobs_out(sqlite_engine, capsys,
 
 @pytest.mark.parametrize("args", [("status",), ("list",), ("show", "1"), ("breakers", "list"), ("endpoints",),
                                   ("recover", "list"), ("subscribers", "list"), ("encryption", "status"),
-                                  ("replay", "--dry-run", "--state", "pending")])
+                                  ("replay", "--dry-run", "--state", "pending"), ("keys", "list"),
+                                  ("keys", "jwks"), ("keys", "revocations")])
 def test_reading_commands_neither_wait_for_nor_take_sqlites_write_lock(sqlite_engine, capsys, monkeypatch, args):
     """A seller's transaction holding the write lock does not hold up a command that only
     reads (WAL readers read a snapshot), and such a command never takes the lock itself, so

@@ -47,6 +47,7 @@ def test_every_numeric_setting_has_bounds() -> None:
         ("database_outage_seconds", "1e400"),
         ("database_outage_seconds", "2147484"),  # past PostgreSQL's statement_timeout: no connection would open
         ("database_outage_seconds", "0.0001"),  # 0 ms would turn the server-side timeout off
+        ("database_outage_seconds", "0.5"),  # every statement slower than that would count as an outage
         ("breaker_failure_threshold", "0"),
         ("breaker_success_threshold", "-3"),
         ("concurrency", "0"),
@@ -171,6 +172,21 @@ def test_a_key_cache_window_below_the_adcp_ceiling_is_warned_about() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_settings(env={"OUTBOX_KEY_CACHE_WINDOW_SECONDS": "1800"})
+
+
+def test_a_first_retry_past_the_horizon_is_refused_naming_both() -> None:
+    """A message would get one attempt and die: no retry schedule fits in the horizon."""
+    with pytest.raises(ConfigurationError, match="OUTBOX_RETRY_BASE_SECONDS.*OUTBOX_RETRY_HORIZON_SECONDS"):
+        load_settings(env={var("retry_base_seconds"): "86400", var("retry_max_seconds"): "90000"})
+
+
+def test_a_per_origin_cap_above_the_whole_process_is_warned_about() -> None:
+    from outbox.config import ConfigurationWarning
+    with pytest.warns(ConfigurationWarning, match="OUTBOX_ENDPOINT_CONCURRENCY=16 .* OUTBOX_CONCURRENCY=4"):
+        load_settings(env={var("endpoint_concurrency"): "16", var("concurrency"): "4"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_settings(env={var("endpoint_concurrency"): "4", var("concurrency"): "4"})
 
 
 def test_toml_numbers_are_checked_alike(tmp_path: Path) -> None:

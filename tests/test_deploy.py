@@ -648,6 +648,7 @@ def test_kubernetes_pdb_service_and_migrate_job():
     pod_labels = objects[("Deployment", "outboxd")]["spec"]["template"]["metadata"]["labels"]
     (pdb,) = [o for (kind, _), o in objects.items() if kind == "PodDisruptionBudget"]
     assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a not-ready pod never blocks a node drain
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     (service,) = [o for (kind, _), o in objects.items() if kind == "Service"]
     assert service["spec"]["selector"].items() <= pod_labels.items()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +280,11 @@ def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_pat
         assert client.get("/").status_code == 200
     finally:
         procs.stop(proc)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_ends_the_console_gracefully_with_status_0(pg_url, tmp_path, sig):
+    """Kubernetes and systemd read a non-zero status after their own SIGTERM as a failed stop."""
+    port = procs.free_port()
+    proc = procs.start_ui(console_env(pg_url), port, tmp_path / "ui.log")
+    assert procs.stop(proc, sig) == 0, (tmp_path / "ui.log").read_text()[-500:]

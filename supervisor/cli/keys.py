@@ -47,6 +47,14 @@ def _in_transaction(settings: Settings, work: Callable[[Any], Any]) -> Any:
     return run_async(settings, lambda conn: conn.run_sync(seeded))
 
 
+def _read_snapshot(settings: Settings) -> Snapshot:
+    """The keyring as a reader sees it, seeded first only when a configured key is not in it yet:
+    reading takes no write lock, so on SQLite it neither waits behind a seller's transaction nor
+    holds up the seller's next enqueue."""
+    snapshot: Snapshot = run_async(settings, lambda conn: conn.run_sync(keyring.read_snapshot), reads_only=True)
+    return _in_transaction(settings, keyring.read_snapshot) if keyring.unseeded(snapshot, settings) else snapshot
+
+
 def write_private_key(out: Path, alg: str, overwrite: bool = False) -> None:
     """A fresh PEM private key at ``out``, mode 0600, refusing to replace a file by accident."""
     if out.exists() and not overwrite:
@@ -160,7 +168,7 @@ def cmd_keys(args: argparse.Namespace, settings: Settings) -> int:
               f"adcp_use {DEFAULT_ADCP_USE}")
         return 0
     if args.action in ("list", "jwks", "revocations"):
-        snapshot: Snapshot = _in_transaction(settings, keyring.read_snapshot)
+        snapshot = _read_snapshot(settings)
         if args.action == "jwks":
             document = keyring.jwks_document(snapshot.records, snapshot.now)
             print(json.dumps(document, indent=2))

@@ -270,6 +270,11 @@ def configured_keys(settings: Settings) -> list[tuple[str, str, str | None]]:
     return seeds
 
 
+def unseeded(snapshot: Snapshot, settings: Settings) -> bool:
+    """Whether a configured key's scope has no key yet, so :func:`bootstrap` has one to register."""
+    return any(not snapshot.by_scope.get(scope) for scope, _, _ in configured_keys(settings))
+
+
 def bootstrap(conn: Connection, settings: Settings) -> list[KeyRecord]:
     """Register each configured key (``OUTBOX_SIGNING_KEY_FILE``, ``tenant_signing_keys``) as
     its scope's active key if that scope has no key yet; return what was registered.
@@ -278,7 +283,7 @@ def bootstrap(conn: Connection, settings: Settings) -> list[KeyRecord]:
     from every replica at once: writers are serialized and the check is repeated under lock.
     """
     seeds = configured_keys(settings)
-    if not seeds or all(read_snapshot(conn).by_scope.get(scope) for scope, _, _ in seeds):
+    if not unseeded(read_snapshot(conn), settings):
         return []
     snapshot = _lock(conn)
     registered = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
+import signal
 import socket
 import sys
 
@@ -43,8 +44,18 @@ def serve(settings: Settings) -> int:
     # A page still waiting when told to stop gets the shutdown grace, as the daemon's requests do.
     config = uvicorn.Config(make_app(settings, token), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+    _stop_signals_end_quietly()
     uvicorn.Server(config).run(sockets=[listening])
     return 0
+
+
+def _stop_signals_end_quietly() -> None:
+    """uvicorn sends itself the stop signal again after its graceful shutdown, which under the
+    default handlers ends the process by that signal (status 143, or a traceback for SIGINT); a
+    supervisor reads that as a failed stop. With these handlers in place the re-sent signal is
+    ignored and a graceful stop exits 0, as the daemon's does."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _sig, _frame: None)
 
 
 def _listen(host: str, port: int) -> socket.socket:
