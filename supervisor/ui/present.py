@@ -21,7 +21,7 @@ LABELS = {
     "in_flight": "In flight", "rfc9421": "RFC 9421 signature", "hmac": "HMAC (legacy)", "bearer": "Bearer (legacy)",
     "signature_rejected": "Signature rejected", "proof_failed": "URL proof failed", "half_open": "Half open",
     "connection_error": "Connection error", "circuit_open": "Breaker open", "payload_size": "Payload size",
-    "response_time_ms": "Response time", "first_attempt_at": "First attempt", "next_attempt_at": "Next attempt",
+    "response_time_ms": "Response time", "first_attempt_at": "First claimed", "next_attempt_at": "Next attempt",
     "retry_until": "Retries until", "finished_at": "Finished", "created_at": "Created", "sequence_number": "Sequence",
     "attempts": "Attempts", "trigger": "Trigger", "last_error": "Last error", "subscriber_state": "Subscriber",
 }

@@ -37,10 +37,27 @@ def _locations(cafile: str | None, capath: str | None, names: tuple[str, str]) -
     if capath is not None and not os.path.isdir(capath):
         raise ConfigurationError(f"{names[1]}: {capath} is not a directory")
     try:
-        return ssl.create_default_context(cafile=cafile, capath=capath)
+        return _as_curl_verifies(ssl.create_default_context(cafile=cafile, capath=capath))
     except (ssl.SSLError, OSError) as exc:
         which = names[0] if cafile is not None else names[1]
         raise ConfigurationError(f"{which}: no usable PEM certificates ({type(exc).__name__})") from None
+
+
+def _as_curl_verifies(context: ssl.SSLContext) -> ssl.SSLContext:
+    """Chain checks fixed, not left to the interpreter's defaults, which Python 3.13 changed: a
+    trusted intermediate ends a chain (OpenSSL's partial chains, as ``curl --cacert`` has it),
+    and RFC 5280's strict profile is not applied (a private CA without a keyUsage extension
+    still verifies), so one OUTBOX_TLS_CA_FILE delivers alike on every supported Python."""
+    context.verify_flags = (context.verify_flags | ssl.VERIFY_X509_PARTIAL_CHAIN) & ~ssl.VERIFY_X509_STRICT
+    return context
+
+
+def _speaking_http1(context: ssl.SSLContext) -> ssl.SSLContext:
+    """Offer ``http/1.1`` by ALPN, the only protocol the sender speaks: a receiver that speaks
+    only HTTP/2 then refuses at the handshake with a reason, where without ALPN it accepts the
+    connection and stays silent until the read timeout, and the buyer looks slow."""
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 def tls_context(settings: Settings, env: Mapping[str, str] | None = None) -> ssl.SSLContext:
@@ -59,8 +76,8 @@ def sender_context(settings: Settings, verify: ssl.SSLContext | str | None = Non
     if isinstance(verify, ssl.SSLContext):
         return verify
     if os.path.isdir(verify):
-        return ssl.create_default_context(capath=verify)
-    return ssl.create_default_context(cafile=verify)
+        return _speaking_http1(_as_curl_verifies(ssl.create_default_context(capath=verify)))
+    return _speaking_http1(_as_curl_verifies(ssl.create_default_context(cafile=verify)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,16 +85,16 @@ def _context(ca_file: str | None, ca_dir: str | None, trust: str, cert_file: str
              cert_dir: str | None) -> ssl.SSLContext:
     """Built once per process and choice: parsing the certifi bundle takes tens of ms of CPU."""
     if ca_file or ca_dir:
-        return _locations(ca_file, ca_dir, ("OUTBOX_TLS_CA_FILE", "OUTBOX_TLS_CA_DIR"))
+        return _speaking_http1(_locations(ca_file, ca_dir, ("OUTBOX_TLS_CA_FILE", "OUTBOX_TLS_CA_DIR")))
     if trust == "system":
         import truststore
 
-        return truststore.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        return _speaking_http1(truststore.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
     if cert_file or cert_dir:
-        return _locations(cert_file, cert_dir, ("SSL_CERT_FILE", "SSL_CERT_DIR"))
+        return _speaking_http1(_locations(cert_file, cert_dir, ("SSL_CERT_FILE", "SSL_CERT_DIR")))
     import certifi
 
-    return ssl.create_default_context(cafile=certifi.where())
+    return _speaking_http1(_as_curl_verifies(ssl.create_default_context(cafile=certifi.where())))
 
 
 # OpenSSL's X509_V_ERR_* codes, by what the operator has to fix. The library's own message
@@ -91,6 +108,7 @@ _CERTIFICATE_CAUSES = {
     23: "TLS certificate revoked",  # CERT_REVOKED
 }
 _OPENSSL_REASON = re.compile(r"[A-Z0-9_]{1,64}")
+_UNNAMED_REASON = re.compile(r"\[[A-Z0-9_]{1,16}\] ([a-z0-9 ]{1,64}) \(_ssl\.c:\d+\)")
 
 
 def tls_failure(exc: ssl.SSLError, failed: str = "TLS error") -> str:
@@ -101,4 +119,7 @@ def tls_failure(exc: ssl.SSLError, failed: str = "TLS error") -> str:
             return "TLS certificate verification failed"
         return _CERTIFICATE_CAUSES.get(code, f"TLS certificate verification failed (verify code {code})")
     reason = exc.reason if isinstance(exc.reason, str) and _OPENSSL_REASON.fullmatch(exc.reason) else None
+    if reason is None:  # a code Python's table lacks (an ALPN refusal): OpenSSL's own words, in its style
+        words = _UNNAMED_REASON.fullmatch(str(exc.args[1]) if len(exc.args) > 1 else "")
+        reason = words.group(1).upper().replace(" ", "_") if words else None
     return f"{failed} ({reason})" if reason else failed
