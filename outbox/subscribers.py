@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Update, delete, select, text, update
+from sqlalchemy import Connection, Select, Update, delete, select, text, update
 
 from outbox import protocol
 from outbox.arguments import as_mapping, check_string
@@ -158,6 +158,12 @@ def fail_held(subscriber_refs: Sequence[int], why: str) -> Update:
     return (update(messages).where(messages.c.held, messages.c.subscriber_ref.in_(list(subscriber_refs)),
                                    messages.c.state == "pending")
             .values(held=False, state="dead", dead_reason="proof_failed", finished_at=db_now(), last_error=why))
+
+
+def sending_to(subscriber_refs: Sequence[int]) -> Select[Any]:
+    """Which of ``subscriber_refs`` may still be sent fires: registered (a removed subscriber's
+    row is gone) and not paused."""
+    return select(subscribers.c.id).where(subscribers.c.id.in_(list(subscriber_refs)), subscribers.c.state != "paused")
 
 
 def cancel_pending(subscriber_refs: Sequence[int], why: str) -> Update:

@@ -14,7 +14,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 import outbox
 from adcp.reporting.ledger import InMemoryReportingLedgerStore
@@ -28,12 +28,14 @@ pytestmark = pytest.mark.e2e
 
 
 class HeldReceiver(ThreadingHTTPServer):
-    """Echoes URL challenges; holds each notification until the test releases it, then 503."""
+    """Echoes URL challenges; holds each notification until the test releases it, then
+    answers ``status``."""
 
     daemon_threads = True
 
-    def __init__(self) -> None:
+    def __init__(self, status: int = 503) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
+        self.status = status
         self.arrived = threading.Event()
         self.release = threading.Event()
         self.notifications: list[str] = []
@@ -50,7 +52,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.notifications.append(body["idempotency_key"])
         self.server.arrived.set()
         self.server.release.wait(60)
-        self._answer(503, b"")
+        self._answer(self.server.status, b"")
 
     def _answer(self, status: int, payload: bytes) -> None:
         self.send_response(status)
@@ -121,6 +123,53 @@ def test_a_subscription_revoked_during_its_request_is_not_retried(pg_engine, pg_
     assert [tuple(t) for t in trail] == [(503, False)]
     assert server.notifications == [result.idempotency_key]
 
+
+
+@pytest.mark.parametrize("how", ["removed", "paused"])
+def test_fires_leased_but_not_yet_sent_are_not_sent_after_a_revocation(pg_engine, pg_url, tmp_path, how):
+    """The claim leases up to twice an origin's concurrency; the second round waits in the
+    daemon's memory for a slot. Those fires are not on the wire when the subscriber is removed
+    or paused: none of them may be sent after the revocation commits (they were, seconds later,
+    once the requests ahead of them ended). The requests on the wire are answered 200, so
+    no breaker hands the waiting fires back first."""
+    server = HeldReceiver(200)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/events"
+    key, _ = procs.make_key(tmp_path)
+    # The default lease and timeouts: shortened ones hand a waiting fire back for want of lease.
+    env = procs.default_daemon_env(pg_url, key, seller_agent_url=SETTINGS.seller_agent_url, encryption_key=KEY)
+    register(pg_engine, "held", "buyer-a", url, ("account.status_changed",))
+    daemon = procs.start_daemon(env, tmp_path / "d.log")
+    try:
+        assert procs.wait_until(lambda: [s.state for s in listed(pg_engine)] == ["active"], 60)
+        with pg_engine.begin() as conn:
+            for i in range(12):  # one origin, OUTBOX_ENDPOINT_CONCURRENCY 8: 8 on the wire, 4 waiting
+                outbox.enqueue_event(conn, tenant_id="t1", account_id=ACCOUNT, settings=SETTINGS,
+                                     notification_type="account.status_changed",
+                                     payload={"account_id": ACCOUNT, "status": "active", "i": i})
+        assert procs.wait_until(lambda: len(server.notifications) == 8, 60), (tmp_path / "d.log").read_text()[-3000:]
+
+        def leased() -> int:
+            with pg_engine.connect() as conn:
+                return conn.execute(select(func.count()).where(messages.c.state == "in_flight")).scalar_one()
+        assert procs.wait_until(lambda: leased() == 12, 30), leased()  # the 4 beyond the cap claimed ahead
+        revoke(pg_engine, how, url)
+        on_the_wire = list(server.notifications)
+        server.release.set()
+
+        def states() -> list[tuple[str, str | None]]:
+            with pg_engine.connect() as conn:
+                return [tuple(r) for r in conn.execute(select(messages.c.state, messages.c.dead_reason)
+                                                       .where(messages.c.notification_type != "webhook.challenge"))]
+        assert procs.wait_until(lambda: all(s in ("dead", "delivered") for s, _ in states()), 60), states()
+    finally:
+        assert procs.stop(daemon) == 0
+        server.shutdown()
+    assert sorted(states()) == [("dead", "cancelled")] * 4 + [("delivered", None)] * 8
+    assert server.notifications == on_the_wire  # nothing more arrived after the revocation
+    with pg_engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(attempts)
+                            .where(attempts.c.notification_type != "webhook.challenge")).scalar_one() == 8
 
 
 async def _two_flushes(url: str, settings) -> tuple[list[str], list[str]]:

@@ -20,13 +20,12 @@ from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from typing import Any
 
 import structlog
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import breaker_rows, store
 from outbox.config import Settings
 from outbox.leases import Claimed, Completion
-from outbox.schema import subscribers
+from outbox.subscribers import sending_to
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
@@ -82,8 +81,7 @@ async def _revoked(conn, batch: Sequence[Outcome]) -> set[int]:
     refs = {o.message.subscriber_ref for o in batch if _may_continue(o)}
     if not refs:
         return set()
-    live = set((await conn.execute(select(subscribers.c.id).where(
-        subscribers.c.id.in_(refs), subscribers.c.state != "paused").with_for_update(read=True))).scalars())
+    live = set((await conn.execute(sending_to(list(refs)).with_for_update(read=True))).scalars())
     return {o.message.id for o in batch if _may_continue(o) and o.message.subscriber_ref not in live}
 
 

@@ -27,12 +27,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
-from outbox.db import connect_options, is_postgresql, make_async_engine
+from outbox.db import connect_options, error_line, is_postgresql, make_async_engine, reading
 from outbox.migrate import SchemaCheck, check_schema
 from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
 from outbox.leases import Claimed
+from outbox.subscribers import sending_to
 from supervisor.observe import events, tracing
 from supervisor.cycle.attempt import Outcome, attempt
 from supervisor.cycle.claimer import Claimer
@@ -153,9 +154,28 @@ class Daemon:
         settings = self.settings
 
         def run(m: Claimed) -> Awaitable[Outcome]:  # the coroutine itself: no extra frame when tracing is off
+            if m.subscriber_ref is not None:
+                return self._unless_revoked(m)
             return attempt(m, settings=settings, keys=self.keys, sender=self.sender, clock=self.clock)
 
         return run if self.tracing is None else self.tracing.traced(run)
+
+    async def _unless_revoked(self, m: Claimed) -> Outcome:
+        """A subscriber's fire, sent only if its subscriber is still registered and not paused.
+
+        A fire may wait in memory for a slot, seconds after its claim (supervisor/cycle/dispatch.py),
+        and a revocation meanwhile skips it (it is leased, not pending). Read as its request
+        starts, so what a revocation finds unsent stays unsent: handed back here, the completer
+        ends it dead ``cancelled`` (docs/reporting.md, "Revocation"). One read per fire, none
+        for other messages."""
+        try:
+            async with reading(self.engine).connect() as conn:
+                live = (await conn.execute(sending_to([m.subscriber_ref or 0]))).first() is not None
+        except SQLAlchemyError as exc:
+            return Outcome.held(m, f"its subscriber's state could not be read: {error_line(exc)}")
+        if not live:
+            return Outcome(m, "release", "released", error="subscriber removed or paused before sending")
+        return await attempt(m, settings=self.settings, keys=self.keys, sender=self.sender, clock=self.clock)
 
     async def _measure_clock(self) -> None:
         try:
