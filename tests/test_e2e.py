@@ -246,3 +246,19 @@ def test_sqlite_end_to_end_and_sigterm(sqlite_engine, sqlite_url, tmp_path, keyp
             assert procs.stop(daemon, signal.SIGTERM) == 0
         by_key = check_exact_bytes_and_log(sqlite_engine, log)
     assert set(by_key) == set(keys) and states(sqlite_engine)["delivered"] == 20
+
+
+def test_a_hang_up_drains_like_sigterm(pg_engine, pg_url, tmp_path, keypair):
+    """SIGHUP (the terminal of an operator who ran it by hand closed) stops the daemon as
+    SIGTERM does: requests finish, waiting messages go back, exit 0. It used to end the process
+    at once, leaving leases to expire and their requests to be sent again."""
+    key, jwks = keypair
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        enqueue_many(pg_engine, f"http://127.0.0.1:{port}", ["/delay/1500"] * 40)
+        daemon = procs.start_daemon(procs.daemon_env(pg_url, key), tmp_path / "d.log")
+        try:
+            assert procs.wait_until(lambda: log.exists() and log.read_text().count("\n") >= 8, 30)
+        finally:
+            assert procs.stop(daemon, signal.SIGHUP) == 0, (tmp_path / "d.log").read_text()[-2000:]
+        assert "daemon.stopping" in (tmp_path / "d.log").read_text()
+        assert states(pg_engine).get("in_flight", 0) == 0, states(pg_engine)

@@ -67,7 +67,9 @@ def _enqueue(url: str, port: int, count: int) -> None:
     engine.dispose()
 
 
-async def _deliver(url: str, key_file: Path, count: int) -> tuple[Receiver, list[dict]]:
+async def _deliver(url: str, key_file: Path, count: int) -> tuple[Receiver, list[dict], bool]:
+    """Deliver the demo's messages; the receiver, the messages, and whether a stop signal
+    (SIGTERM, Ctrl-C) ended the daemon before they were all done."""
     key = load_signing_key(key_file, KEY_ID)
     receiver = Receiver(library_verifier({"keys": [key.public_jwk()]}), None)
     server = await serve(receiver)
@@ -90,19 +92,25 @@ async def _deliver(url: str, key_file: Path, count: int) -> tuple[Receiver, list
             if rows and all(r["state"] in ("delivered", "dead") for r in rows):
                 break
             await asyncio.sleep(0.2)
+        interrupted = running.done()  # the daemon ends by itself only when signalled (or it raised)
     finally:
         stop.set()
         await running
         await engine.dispose()
         server.close()
-    return receiver, rows
+    return receiver, rows, interrupted
 
 
 def run_demo(workdir: Path, *, messages: int = 6) -> int:
     configure_logging("console" if sys.stderr.isatty() else "json", level=40)  # errors only: keep it readable
     url, key_file = _prepare(workdir)
     print(f"outboxd demo: SQLite at {workdir / 'outbox.db'}, dev signing key {key_file}")
-    receiver, rows = asyncio.run(_deliver(url, key_file, messages))
+    receiver, rows, interrupted = asyncio.run(_deliver(url, key_file, messages))
+    if interrupted:
+        delivered = sum(r["state"] == "delivered" for r in rows)
+        print(f"outboxd demo: stopped by a signal with {delivered} of {len(rows)} messages delivered",
+              file=sys.stderr)
+        return 130
     print()
     print(f"{'ID':>3}  {'IDEMPOTENCY_KEY':40}  {'SEQ':>3}  {'ATTEMPTS':>8}  OUTCOME")
     for r in rows:

@@ -317,7 +317,9 @@ class Daemon:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP too: an operator's closed terminal must drain as a stop does, not end the
+        # process with leases held (there is no configuration to reload).
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             try:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
