@@ -40,6 +40,8 @@ def _probe_statement(now: str) -> TextClause:
 
 
 _ACQUIRE_PROBE = {True: _probe_statement(PG_NOW), False: _probe_statement(SQLITE_NOW)}  # by "is PostgreSQL"
+_PROBED = "SELECT state FROM outbox_breakers WHERE tenant_id = :tenant_id AND origin = :origin"
+_PROBED_STATE = {True: text(_PROBED + " FOR UPDATE"), False: text(_PROBED)}  # SQLite: its write lock is held
 
 
 def _pg(conn: AsyncConnection) -> bool:
@@ -125,8 +127,12 @@ async def insert_transitions(conn: AsyncConnection, rows: Sequence[dict[str, Any
         await conn.execute(breaker_transitions.insert(), list(rows))
 
 
-async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> bool:
-    """Take the single half-open probe of a breaker whose open period is over."""
-    result = await conn.execute(_ACQUIRE_PROBE[_pg(conn)],
-                                {"tenant_id": tenant_id, "origin": origin, "lease": lease_seconds})
-    return result.rowcount == 1
+async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> str | None:
+    """Take the single half-open probe of a breaker whose open period is over: the state it
+    moved from (``open``, a transition to record; ``half_open``, an earlier probe's lease had
+    lapsed), or ``None`` when another daemon holds the probe. The row is read locked first
+    (one more statement, once per open period)."""
+    key = {"tenant_id": tenant_id, "origin": origin}
+    before = next((row[0] for row in await conn.execute(_PROBED_STATE[_pg(conn)], key)), None)
+    result = await conn.execute(_ACQUIRE_PROBE[_pg(conn)], {**key, "lease": lease_seconds})
+    return before if result.rowcount == 1 else None

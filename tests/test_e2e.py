@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import random
+import re
 import signal
 import time
 
@@ -262,3 +263,32 @@ def test_a_hang_up_drains_like_sigterm(pg_engine, pg_url, tmp_path, keypair):
             assert procs.stop(daemon, signal.SIGHUP) == 0, (tmp_path / "d.log").read_text()[-2000:]
         assert "daemon.stopping" in (tmp_path / "d.log").read_text()
         assert states(pg_engine).get("in_flight", 0) == 0, states(pg_engine)
+
+
+def test_the_end_of_an_open_period_is_a_transition_like_any_other(pg_engine, pg_url, tmp_path, keypair):
+    """When a daemon takes the half-open probe, the breaker moves open -> half_open: a row in
+    outbox_breaker_transitions and a count, as every other move (it was only an operator event,
+    so the history read closed -> open, half_open -> open)."""
+    import urllib.request
+
+    key, jwks = keypair
+    port_metrics = procs.free_port()
+    with procs.receiver(tmp_path, jwks) as (port, log):
+        enqueue_many(pg_engine, f"http://127.0.0.1:{port}", ["/status/500"] * 40)
+        # A short open period keeps the test short; the probe is what is under test.
+        env = procs.daemon_env(pg_url, key, breaker_open_seconds=1, metrics_addr=f"127.0.0.1:{port_metrics}")
+        daemon = procs.start_daemon(env, tmp_path / "d.log")
+
+        def moves() -> list[tuple[str, str]]:
+            with pg_engine.connect() as conn:
+                return [tuple(m) for m in conn.execute(
+                    select(breaker_transitions.c.from_state, breaker_transitions.c.to_state)
+                    .order_by(breaker_transitions.c.id))]
+        try:
+            assert procs.wait_until(lambda: len(moves()) >= 3, 30), moves()
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port_metrics}/metrics", timeout=5).read().decode()
+        finally:
+            assert procs.stop(daemon) == 0
+    assert moves()[:3] == [("closed", "open"), ("open", "half_open"), ("half_open", "open")]
+    counted = re.search(r'outbox_breaker_transitions_total\{from_state="open",to_state="half_open"\} (\S+)', body)
+    assert counted and float(counted.group(1)) >= 1, body

@@ -236,12 +236,23 @@ class Claimer:
             return True
         try:
             async with self._connection() as conn:
-                won = await breaker_rows.acquire_probe(conn, message.tenant_id, message.origin or "",
-                                                       self._settings.lease_seconds)
-                if won:
-                    await events.probe_taken(conn, message.tenant_id, message.origin or "",
-                                             message.breaker_open_until, await store.db_now(conn))
-                return won
+                origin = message.origin or ""
+                before = await breaker_rows.acquire_probe(conn, message.tenant_id, origin,
+                                                          self._settings.lease_seconds)
+                if before is None:
+                    return False
+                now = await store.db_now(conn)
+                await events.probe_taken(conn, message.tenant_id, origin, message.breaker_open_until, now)
+                if before == CircuitState.OPEN.value:  # a move like any other: a row, a count, a log line
+                    await breaker_rows.insert_transitions(conn, [{
+                        "tenant_id": message.tenant_id, "origin": origin, "from_state": before,
+                        "to_state": CircuitState.HALF_OPEN.value, "open_until": message.breaker_open_until,
+                        "daemon_id": self._daemon_id, "occurred_at": now}])
+            if before == CircuitState.OPEN.value:  # committed
+                self._metrics.breaker_transitions.labels(from_state=before, to_state=CircuitState.HALF_OPEN.value).inc()
+                self._log.warning("breaker.transition", tenant_id=message.tenant_id, origin=origin, from_state=before,
+                                  to_state=CircuitState.HALF_OPEN.value)
+            return True
         except Exception as exc:  # an outage shows in the next claim; this message is simply due again
             self._log.warning("probe.failed", tenant_id=message.tenant_id, origin=message.origin,
                               error=type(exc).__name__, detail=(str(exc).splitlines() or [""])[0][:200])
