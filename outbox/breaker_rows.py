@@ -40,6 +40,11 @@ def _probe_statement(now: str) -> TextClause:
 
 
 _ACQUIRE_PROBE = {True: _probe_statement(PG_NOW), False: _probe_statement(SQLITE_NOW)}  # by "is PostgreSQL"
+# The probe's lease cut short to now (not NULL): a shorter lease is what the breakers'
+# trigger (migration 0014) watches for, and it makes the endpoint due again for the claim.
+_RETURN_PROBE = {pg: text(f"UPDATE outbox_breakers SET probe_until = {now} WHERE tenant_id = :tenant_id "
+                          f"AND origin = :origin AND state = 'half_open' AND probe_until > {now}")
+                 for pg, now in ((True, PG_NOW), (False, SQLITE_NOW))}
 _PROBED = "SELECT state FROM outbox_breakers WHERE tenant_id = :tenant_id AND origin = :origin"
 _PROBED_STATE = {True: text(_PROBED + " FOR UPDATE"), False: text(_PROBED)}  # SQLite: its write lock is held
 
@@ -125,6 +130,14 @@ async def insert_transitions(conn: AsyncConnection, rows: Sequence[dict[str, Any
     """Record breaker moves (``breaker.transition``), one row each."""
     if rows:
         await conn.execute(breaker_transitions.insert(), list(rows))
+
+
+async def return_probes(conn: AsyncConnection, endpoints: Sequence[tuple[str, str]]) -> None:
+    """Give back the half-open probes of these endpoints, taken for messages that were not sent
+    (held for a signing key, past their horizon, handed back): the next claim may take the probe
+    at once, rather than when the probe's lease would have ended."""
+    if endpoints:
+        await conn.execute(_RETURN_PROBE[_pg(conn)], [{"tenant_id": t, "origin": o} for t, o in sorted(set(endpoints))])
 
 
 async def acquire_probe(conn: AsyncConnection, tenant_id: str, origin: str, lease_seconds: float) -> str | None:

@@ -43,6 +43,7 @@ class Claimed:
     claim_sent: float = field(default_factory=time.monotonic)
     traceparent: str | None = None  # the enqueuing caller's W3C trace context
     subscriber_ref: int | None = None  # the subscriber of an account-level fire (its revocation stops retries)
+    holds_probe: bool = False  # this daemon took its endpoint's half-open probe for it: returned if not sent
 
     def db_time(self) -> float:
         """The database's time now, from the claim's: ``claimed_at`` plus the monotonic time

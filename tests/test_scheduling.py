@@ -100,6 +100,51 @@ async def test_a_claim_hands_back_its_batch_in_turn_order_whatever_the_rows_stor
     assert keys == [message_key(t, i) for i in range(8) for t in ("t1", "t2")], keys
 
 
+async def test_a_probe_taken_for_a_message_not_sent_is_given_back(engine):
+    """A message that took its endpoint's half-open probe and then was not sent (held: its
+    scope has no signing key; past its horizon; handed back) gives the probe back when its
+    outcome is recorded: the endpoint's next message may probe at once, not a lease later."""
+    import dataclasses
+
+    import outbox
+    from sinks.fanout import SinkFanout
+    from supervisor.cycle.attempt import Outcome
+    from supervisor.cycle.completer import Completer
+    from supervisor.cycle.outage import OutageGuard
+    from supervisor.observe.metrics import Metrics
+
+    url = "https://sick.example.com/hook"
+    enqueue_batch(engine, [("t1", url, message_key("sick", i)) for i in range(5)])
+    aengine = make_async_engine(_url(engine))
+    completer = Completer(aengine, settings=outbox.load_settings(env={"OUTBOX_DATABASE_URL": _url(engine)}),
+                          daemon_id="unit", metrics=Metrics(), fanout=SinkFanout([], timeout=1),
+                          outage=OutageGuard(5))
+    try:
+        async with aengine.begin() as conn:
+            now = await store.db_now(conn)
+            await breaker_rows.save_breakers(conn, [{**closed_row("t1", "https://sick.example.com"),
+                                                     "state": "open", "trips": 1, "open_until": now - 1,
+                                                     "updated_at": now}])
+        for why in ("held", "expire"):
+            (probe,) = await _claim(aengine, cap=8)
+            async with aengine.begin() as conn:
+                assert await breaker_rows.acquire_probe(conn, "t1", "https://sick.example.com", 30)
+            assert await _claim(aengine, cap=8) == [], "half-open with its probe out: nothing more"
+            taken = dataclasses.replace(probe, holds_probe=True)
+            outcome = (Outcome.held(taken, "no active signing key") if why == "held"
+                       else Outcome(taken, "expire", "expired", reason="expired", error="retry horizon passed"))
+            await completer.flush([outcome])
+            again = await _claim(aengine, cap=8)
+            assert len(again) == 1 and again[0].id != probe.id, f"{why}: the probe was not given back"
+            async with aengine.begin() as conn:  # this one goes back unclaimed: the next round probes anew
+                await conn.execute(update(messages).where(messages.c.id == again[0].id)
+                                   .values(state="pending", lease_token=None, lease_expires_at=None))
+                await conn.execute(update(breakers).values(probe_until=None))
+    finally:
+        await completer.aclose()
+        await aengine.dispose()
+
+
 async def test_claim_passes_over_an_open_breaker_and_takes_one_probe_after_it(engine):
     url = "https://sick.example.com/hook"
     enqueue_batch(engine, [("t1", url, message_key("sick", i)) for i in range(20)])

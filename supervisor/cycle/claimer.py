@@ -20,6 +20,7 @@ claimed as soon as its NOTIFY arrives.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -215,16 +216,18 @@ class Claimer:
         self._metrics.claim_batch.observe(len(batch))
         for message in batch:
             held[message.origin or ""] = held.get(message.origin or "", 0) + 1
-            if await self._may_send(message):
-                self._dispatch.add(message)
+            sendable = await self._may_send(message)
+            if sendable is not None:
+                self._dispatch.add(sendable)
             else:  # another daemon took this endpoint's half-open probe, or the database failed to grant it
                 self._release(message)
         self._capped = len(batch) >= limit or batch.contended or any(n >= self._budget for n in held.values())
         self._metrics.in_flight.set(self.in_flight)
         return batch
 
-    async def _may_send(self, message: Claimed) -> bool:
-        """Whether the message may go now: always, unless it is its endpoint's probe.
+    async def _may_send(self, message: Claimed) -> Claimed | None:
+        """The message if it may go now (marked when it holds its endpoint's probe), else ``None``:
+        it always may, unless it is its endpoint's probe.
 
         The claim returns an endpoint whose breaker is open or half-open only once the
         open period is over, and then one message: it goes if this daemon wins the probe.
@@ -233,14 +236,14 @@ class Claimer:
         ``abandoned`` attempts no receiver ever saw).
         """
         if message.breaker_state in (None, CircuitState.CLOSED.value):
-            return True
+            return message
         try:
             async with self._connection() as conn:
                 origin = message.origin or ""
                 before = await breaker_rows.acquire_probe(conn, message.tenant_id, origin,
                                                           self._settings.lease_seconds)
                 if before is None:
-                    return False
+                    return None
                 now = await store.db_now(conn)
                 await events.probe_taken(conn, message.tenant_id, origin, message.breaker_open_until, now)
                 if before == CircuitState.OPEN.value:  # a move like any other: a row, a count, a log line
@@ -252,11 +255,11 @@ class Claimer:
                 self._metrics.breaker_transitions.labels(from_state=before, to_state=CircuitState.HALF_OPEN.value).inc()
                 self._log.warning("breaker.transition", tenant_id=message.tenant_id, origin=origin, from_state=before,
                                   to_state=CircuitState.HALF_OPEN.value)
-            return True
+            return dataclasses.replace(message, holds_probe=True)
         except Exception as exc:  # an outage shows in the next claim; this message is simply due again
             self._log.warning("probe.failed", tenant_id=message.tenant_id, origin=message.origin,
                               error=type(exc).__name__, detail=(str(exc).splitlines() or [""])[0][:200])
-            return False
+            return None
 
     def _release(self, message: Claimed) -> None:
         """Hand a leased message back untouched: no attempt made, none counted, due at once."""

@@ -62,15 +62,22 @@ def _judges_breaker(o: Outcome) -> bool:
     return o.sent and bool(m.origin) and (o.action == "retry" or m.breaker_state is not None)
 
 
+def _returns_probe(o: Outcome) -> bool:
+    """Whether ``o``'s message held its endpoint's half-open probe and went unsent: the probe is given back."""
+    return o.message.holds_probe and not o.sent
+
+
 def _may_continue(o: Outcome) -> bool:
     """Whether ``o`` leaves a subscriber's fire pending: then its subscriber's state decides."""
     return o.message.subscriber_ref is not None and o.action not in ("delivered", "dead", "expire")
 
 
 def _locks_rows(o: Outcome) -> bool:
-    """Whether recording ``o`` may write a breaker (:meth:`Completer._update_breakers`), settle
-    a proof or read its subscriber's state: such a batch is recorded through SQLAlchemy."""
-    return _judges_breaker(o) or challenge.is_challenge(o.message.notification_type) or _may_continue(o)
+    """Whether recording ``o`` may write a breaker (:meth:`Completer._update_breakers`, or a
+    probe given back), settle a proof or read its subscriber's state: such a batch is recorded
+    through SQLAlchemy."""
+    return (_judges_breaker(o) or challenge.is_challenge(o.message.notification_type) or _may_continue(o)
+            or _returns_probe(o))
 
 
 async def _revoked(conn, batch: Sequence[Outcome]) -> set[int]:
@@ -264,6 +271,8 @@ class Completer:
                                                for o, (completion, record) in zip(batch, plans)
                                                if record is not None and completion.message_id in applied])
             transitions = await self._update_breakers(conn, batch, applied, now)
+            await breaker_rows.return_probes(conn, [(o.message.tenant_id, o.message.origin or "") for o in batch
+                                                    if _returns_probe(o) and o.message.id in applied])
             settled = await self._settle_proofs(conn, batch, plans, applied)
             await self._observe(conn, batch, plans, applied, now)
         settled.count(self._metrics)
