@@ -122,6 +122,8 @@ def test_refusals_are_one_line(engine, tmp_path, seeded):
         (lambda c: keyring.promote(c, cache_window=0), "several next keys; name one: k2, k3"),
         (lambda c: keyring.promote(c, kid="k1", cache_window=0), "'k1' is active, only a next key"),
         (lambda c: keyring.promote(c, kid="nope", cache_window=0), "no key 'nope'"),
+        (lambda c: keyring.promote(c, scope="acme", kid="k2", cache_window=0),
+         "key 'k2' belongs to the default scope, not tenant 'acme': `outboxd keys promote k2`"),
         (lambda c: keyring.stage(c, scope="acme", key=load_signing_key(key_file(tmp_path, "other"), "k1"),
                                  key_file="other.pem"), "'k1' is already in the keyring (the default scope)"),
         (lambda c: keyring.stage(c, scope="", key=load_signing_key(seeded.signing_key_file, "again"),
@@ -223,6 +225,27 @@ async def test_daemon_cache_follows_the_database(engine, database_url, tmp_path,
         await async_engine.dispose()
 
 
+async def test_a_tenant_whose_first_key_is_only_staged_reads_as_signing(engine, database_url, tmp_path, seeded):
+    """Its webhooks are signed with the default scope's key until its own is promoted, so its
+    scope's ``outbox_signing_active_keys`` reads the default's 1: a 0 fired the critical "no
+    active signing key: webhooks are held" alert for the whole cache window of every new
+    tenant key, whose runbook says to promote early (what makes buyers reject webhooks)."""
+    async_engine = make_async_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            stage(conn, tmp_path, "acme-1", scope="acme")
+        cache = CachedKeyring(seeded)
+        await cache.start(async_engine)
+        assert cache.resolve("acme").key_id == "k1"
+        assert cache.signing_scopes() == {"": 1, "acme": 1}
+        with engine.begin() as conn:
+            keyring.revoke(conn, "k1")  # the default scope now signs nothing: neither does acme
+        await cache.refresh(async_engine)
+        assert cache.signing_scopes() == {"": 0, "acme": 0}
+    finally:
+        await async_engine.dispose()
+
+
 async def test_daemon_start_needs_a_key(database_url):
     async_engine = make_async_engine(database_url)
     try:
@@ -247,6 +270,7 @@ def test_cli_rotation_from_the_config_key(database_url, tmp_path, capsys, monkey
     cli = lambda *a, **e: run_cli(capsys, monkeypatch, database_url, *a, **e)  # noqa: E731
     code, out, _ = cli("rotate", "--generate", str(tmp_path / "k2.pem"), "--kid", "k2")
     assert code == 0 and out.startswith("staged k2 for the default scope as next")
+    assert out.rstrip().endswith("with `outboxd keys promote`")
     assert (tmp_path / "k2.pem").stat().st_mode & 0o777 == 0o600
     code, _, err = cli("promote")
     assert code == 1 and err.count("\n") == 1 and "or pass --force" in err
@@ -268,6 +292,8 @@ def test_cli_rotation_from_the_config_key(database_url, tmp_path, capsys, monkey
     code, _, err = cli("revoke", "k2")  # the active one: the warning is the line `status` gives, same fix
     [paused] = [line for line in err.splitlines() if "has no active signing key" in line]
     assert code == 0 and "`outboxd keys rotate --generate FILE`, then `outboxd keys promote`" in paused
+    code, out, _ = cli("rotate", "--tenant", "acme", "--generate", str(tmp_path / "a1.pem"), "--kid", "a1")
+    assert code == 0 and out.rstrip().endswith("with `outboxd keys promote --tenant acme`"), out  # the key staged
 
 
 def test_cli_stages_a_jwk_with_its_kid_and_warns_on_the_purpose_3_0_buyers_reject(database_url, tmp_path, capsys,

@@ -114,7 +114,7 @@ def _rotate(args: argparse.Namespace, settings: Settings, scope: str) -> dict[st
     return {"staged": record.kid, "scope": scope, "state": "next", "key_file": str(path),
             "promotable_at": iso(ready),
             "message": f"staged {record.kid} for {scope_label(scope)} as next (published, not signing); "
-                       f"promote it after {iso(ready)} with `outboxd keys promote`"}
+                       f"promote it after {iso(ready)} with `outboxd keys promote{keyring.tenant_flag(scope)}`"}
 
 
 def _promote(args: argparse.Namespace, settings: Settings, scope: str) -> dict[str, Any]:

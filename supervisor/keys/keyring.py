@@ -167,7 +167,7 @@ class Snapshot:
             if self.active(scope, now) is not None or (scope != DEFAULT_SCOPE and
                                                        self.own_since.get(scope, float("inf")) > now):
                 continue
-            flag = "" if scope == DEFAULT_SCOPE else f" --tenant {scope}"
+            flag = tenant_flag(scope)
             fix = (f"`outboxd keys promote{flag}`" if any(r.state(now) == "next" for r in records) else
                    f"`outboxd keys rotate{flag} --generate FILE`, then `outboxd keys promote{flag}`")
             lines[scope] = (f"{scope_label(scope)} has no active signing key: its deliveries are paused "
@@ -310,11 +310,19 @@ class Promotion:
     forced_early: bool  # promoted with --force before the cache window had passed
 
 
+def tenant_flag(scope: str) -> str:
+    """The ``--tenant`` option that names ``scope`` on an ``outboxd keys`` command line."""
+    return "" if scope == DEFAULT_SCOPE else f" --tenant {scope}"
+
+
 def _next_key(snapshot: Snapshot, scope: str, kid: str | None) -> KeyRecord:
     if kid is not None:
         found = next((r for r in snapshot.records if r.kid == kid), None)
         if found is None:
             raise KeyringError(f"no key {kid!r} in the keyring (see `outboxd keys list`)")
+        if found.scope != scope:  # a kid never moves a scope other than the one named
+            raise KeyringError(f"key {kid!r} belongs to {scope_label(found.scope)}, not {scope_label(scope)}: "
+                               f"`outboxd keys promote{tenant_flag(found.scope)} {kid}`")
         if found.state(snapshot.now) != "next":
             raise KeyringError(f"key {kid!r} is {found.state(snapshot.now)}, only a next key can be promoted")
         return found

@@ -179,12 +179,19 @@ class CachedKeyring:
             self._on_scopes(self.signing_scopes())
 
     def signing_scopes(self) -> dict[str, int]:
-        """Each scope of the keyring with 1 if a loaded key signs for it now, else 0."""
-        if self._snapshot is None:
+        """Each scope of the keyring with 1 if a loaded key signs for it now, else 0. A tenant
+        whose own first key is only staged is signed for by the default scope, so it reads as
+        that scope does (0 there means its webhooks are held)."""
+        snapshot = self._snapshot
+        if snapshot is None:
             return {}
         now = self.now()
-        return {scope: int((record := self._snapshot.active(scope, now)) is not None and record.kid in self._keys)
-                for scope in self._snapshot.by_scope}
+
+        def signs(scope: str) -> int:
+            record = snapshot.active(snapshot.scope_of(scope, now), now)
+            return int(record is not None and record.kid in self._keys)
+
+        return {scope: signs(scope) for scope in snapshot.by_scope}
 
     def resolve(self, tenant_id: str) -> SigningKey:
         """The key that signs for ``tenant_id`` now: its scope's active key."""
