@@ -367,3 +367,28 @@ def test_reporting_without_the_sdks_tables_fails_in_one_line(fresh_db, capsys, m
     code, out, err = cli(capsys, monkeypatch, fresh_db, "reporting")
     assert code == 1 and out == "" and one_line(err), err
     assert "database error" in err and "does not exist" in err
+
+
+@pytest.mark.parametrize("command", [("list", "--json"), ("replay", "--dry-run", "--state", "dead", "--json"),
+                                     ("recover", "start", "--tenant", "tenant-0", "--dry-run")])
+def test_a_time_given_as_a_duration_ago_counts_back_from_the_databases_clock(pg_engine, capsys, monkeypatch,
+                                                                              command):
+    """Times are the database's: ``--since 30m`` on an operator host whose clock is two hours
+    ahead must select what ended or was enqueued in the database's last 30 minutes (it
+    selected nothing, and the same for `recover start`, which may cancel what it selects)."""
+    enqueue_many(pg_engine, "https://buyer.example/hook", [""] * 3)
+    with pg_engine.begin() as conn:
+        conn.execute(messages.update().values(state="dead", dead_reason="rejected",
+                                              finished_at=messages.c.created_at))
+    from supervisor.cli import common
+
+    monkeypatch.setattr(common.time, "time", lambda: _REAL_TIME() + 7200)  # the host two hours ahead
+    code, out, err = cli(capsys, monkeypatch, url_of(pg_engine), *command, "--since", "30m")
+    assert code == 0, err
+    if command[0] == "recover":
+        assert "would replay 3 dead message(s)" in out, out
+    else:
+        assert len(json.loads(out) if command[0] == "list" else json.loads(out)["would_replay"]) == 3, out
+
+
+_REAL_TIME = time.time

@@ -82,6 +82,24 @@ async def test_signatures_carry_database_time_whatever_the_host_clock(engine: En
         assert _param(uncorrected, "expires") - _param(corrected, "expires") == pytest.approx(skew, abs=1.5)
 
 
+@pytest.mark.parametrize("step", [-7200.0, 600.0])
+async def test_a_host_clock_step_after_the_measurement_does_not_move_signing_time(engine: Engine, step: float) -> None:
+    """NTP stepping the host clock (a VM resumed, a late sync at boot) between two
+    measurements: signatures keep database time, counted on the monotonic clock since the
+    measurement, where they took the step for up to ten minutes and receivers rejected
+    every one (webhook_signature_window_invalid, dead ``signature_rejected``)."""
+    stepped = [0.0]
+    clock = DatabaseClock(lambda: time.time() + stepped[0])
+    async_engine = make_async_engine(_async_url(engine))
+    try:
+        await clock.measure(async_engine)
+    finally:
+        await async_engine.dispose()
+    stepped[0] = step
+    assert abs(clock() - time.time()) < 1.0
+    assert _strict_receiver_accepts(signature_headers(KEY, url=URL, body=BODY, clock=clock))
+
+
 @pytest.mark.parametrize("skew", [-(MAX_OFFSET_SECONDS + 30), MAX_OFFSET_SECONDS + 30])
 async def test_offset_beyond_receiver_tolerance_is_refused(engine: Engine, skew: float) -> None:
     clock = DatabaseClock(lambda: time.time() + skew)

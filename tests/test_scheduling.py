@@ -311,7 +311,8 @@ def test_a_retry_that_would_overshoot_the_horizon_gets_one_last_try_before_it():
     end = 10_000.0
     assert retry_at(100.0, 50.0, end) == 150.0
     assert retry_at(9_000.0, 3_600.0, end) == end - margin, "the last try, shortly before the horizon"
-    assert retry_at(end - margin + 1, 2.0, end) is None, "the last try failed: dead expired"
+    assert retry_at(end - margin + 1, 2.0, end) == end - margin + 3, "a back-off before the horizon is kept"
+    assert retry_at(end - margin + 1, 100.0, end) is None, "past the horizon, no room for a last try: dead"
 
 
 # ---------------------------------------------------------------------------------------

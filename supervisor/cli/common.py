@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from outbox.config import Settings
+from supervisor.operator.when import Ago
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -46,11 +47,12 @@ def parse_duration(text: str) -> float:
 
 
 def parse_time(text: str) -> float:
-    """An ISO 8601 time, or a duration meaning that long ago (``2h``), in years 1 to 9999 in
-    UTC: a time every listing can print back (``0001-01-01T00:00+14:00`` or 10**20 days ago
-    would fail there, after the command had begun)."""
+    """An ISO 8601 time, or a duration meaning that long ago (``2h``, an :class:`Ago` the
+    database's clock counts back from), in years 1 to 9999 in UTC: a time every listing can
+    print back (``0001-01-01T00:00+14:00`` or 10**20 days ago would fail there, after the
+    command had begun)."""
     try:
-        when = time.time() - parse_duration(text)
+        when: float = Ago(parse_duration(text), time.time())
     except argparse.ArgumentTypeError:
         try:
             parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))

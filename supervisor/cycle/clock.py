@@ -1,4 +1,4 @@
-"""The signing clock: the host's clock corrected to the database's.
+"""The signing clock: the database's time, carried forward on the host's monotonic clock.
 
 Leases, horizons and retry times are all database time (``outbox.store``), so the RFC 9421
 ``created``/``expires`` and the legacy HMAC timestamp must be too: a host clock a minute
@@ -39,16 +39,28 @@ class ClockOffsetError(ConfigurationError):
 
 
 class DatabaseClock:
-    """``time.time()`` plus the measured offset to the database; call it for "now"."""
+    """The database's time now; call it for "now".
 
-    def __init__(self, host: Callable[[], float] = time.time) -> None:
+    Counted on the monotonic clock from the last measurement (the database's time at the
+    midpoint of its quickest round trip), so a step of the host clock between measurements
+    (NTP stepping it, a VM resumed) moves no signature; before the first measurement, the
+    host clock. ``offset`` (database minus host) is what the skew check judges.
+    """
+
+    def __init__(self, host: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self._host = host
+        self._monotonic = monotonic
         self.offset = 0.0  # database minus host, seconds
         self.error = 0.0  # half the round trip of the sample the offset came from
+        self._anchor: tuple[float, float] | None = None  # (monotonic, database time) at the measurement
         self._log = structlog.get_logger("outboxd.clock")
 
     def __call__(self) -> float:
-        return self._host() + self.offset
+        if self._anchor is None:
+            return self._host() + self.offset
+        at, database = self._anchor
+        return database + (self._monotonic() - at)
 
     async def measure(self, engine: AsyncEngine) -> float:
         """Measure the offset (NTP-style midpoint of the quickest round trip) and adopt it.
@@ -56,23 +68,24 @@ class DatabaseClock:
         Raises :class:`ClockOffsetError` (one line) when it is beyond what receivers
         tolerate; the previous offset then stays in place.
         """
-        best: tuple[float, float] | None = None  # (round trip, offset)
+        best: tuple[float, float, float, float] | None = None  # (round trip, offset, monotonic, database)
         async with engine.connect() as conn:
             for _ in range(SAMPLES):
-                sent = self._host()
+                sent, sent_at = self._host(), self._monotonic()
                 database = await store.db_now(conn)
-                received = self._host()
-                sample = (received - sent, database - (sent + received) / 2)
+                received, received_at = self._host(), self._monotonic()
+                sample = (received_at - sent_at, database - (sent + received) / 2, (sent_at + received_at) / 2,
+                          database)
                 best = sample if best is None or sample[0] < best[0] else best
         assert best is not None
-        round_trip, offset = best
+        round_trip, offset, at, database = best
         if abs(offset) > MAX_OFFSET_SECONDS:
             raise ClockOffsetError(
                 f"the host clock is {abs(offset):.1f} s {'behind' if offset > 0 else 'ahead of'} the database clock, "
                 f"beyond the {MAX_OFFSET_SECONDS:.0f} s skew AdCP receivers tolerate: fix time sync (NTP) on the "
                 "host or the database"
             )
-        self.offset, self.error = offset, round_trip / 2
+        self.offset, self.error, self._anchor = offset, round_trip / 2, (at, database)
         self._log.info("clock.measured", offset_seconds=round(offset, 3), error_seconds=round(self.error, 3))
         return offset
 

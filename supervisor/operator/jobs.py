@@ -23,6 +23,7 @@ chunk. See docs/observability.md, "Recovery jobs".
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from outbox import store
 from outbox.schema import jobs, messages
 from outbox.schema import db_now as db_clock
 from outbox.activity import rfc3339
+from supervisor.operator import when
 
 
 CHUNK = 200  # messages per transaction at most (fewer when the rate is lower)
@@ -92,15 +94,24 @@ def _until(selection: Selection, now: float) -> float:
     return now if selection.until is None else min(selection.until, now)
 
 
+def _in_database_time(selection: Selection, now: float) -> Selection:
+    """``selection`` with a time given as a duration ago counted back from ``now`` (the database's)."""
+    return dataclasses.replace(selection, since=when.at(selection.since, now) or 0.0,
+                               until=when.at(selection.until, now))
+
+
 async def count(conn: AsyncConnection, selection: Selection) -> int:
     """The dry run: how many messages the selection matches now."""
-    until = _until(selection, await store.db_now(conn))
+    now = await store.db_now(conn)
+    selection = _in_database_time(selection, now)
+    until = _until(selection, now)
     return int((await conn.execute(select(func.count()).where(selection.where(until)))).scalar_one())
 
 
 async def create(conn: AsyncConnection, selection: Selection, *, force: bool, rate: float) -> dict[str, Any]:
     """Write a running job for ``selection``; the daemons pick it up within a second."""
     now = await store.db_now(conn)
+    selection = _in_database_time(selection, now)
     until = _until(selection, now)
     total = int((await conn.execute(select(func.count()).where(selection.where(until)))).scalar_one())
     job_id = (await conn.execute(insert(jobs).values(

@@ -23,6 +23,7 @@ from outbox.breaker_rows import shown_columns
 from outbox.schema import attempts, breakers, messages, subscribers
 from outbox.urls import public_url, redact_urls
 from outbox.sealing import SealError, SealingKeys, plaintext
+from supervisor.operator import when
 
 MESSAGE_COLUMNS = [c for c in messages.c if c.name not in ("body", "body_sha256", "body_key_id", "auth_secret",
                                                          "lease_token")]
@@ -91,9 +92,9 @@ class Filters:
         if self.origin:
             conditions.append(messages.c.origin == self.origin)
         if self.since is not None:
-            conditions.append(messages.c.created_at >= self.since)
+            conditions.append(messages.c.created_at >= when.in_sql(self.since))
         if self.until is not None:
-            conditions.append(messages.c.created_at < self.until)
+            conditions.append(messages.c.created_at < when.in_sql(self.until))
         return query.where(and_(true(), *conditions))
 
 

@@ -392,10 +392,12 @@ LAST_TRY_MARGIN_SECONDS = 60.0
 def retry_at(now: float, delay: float, horizon_end: float) -> float | None:
     """When to try again after a failure, or ``None`` when the horizon leaves no more tries.
 
-    Never past the horizon: a back-off that would overshoot it becomes one last attempt
-    ``LAST_TRY_MARGIN_SECONDS`` before it; a failure of that last attempt is final.
+    Never past the horizon: a back-off that comes before it is kept (also in the horizon's
+    last minute: the attempt itself starts only if its connect ends before the horizon), and
+    one that would overshoot it becomes one last attempt ``LAST_TRY_MARGIN_SECONDS`` before
+    it, or none when the failure came later than that.
     """
-    last = horizon_end - LAST_TRY_MARGIN_SECONDS
-    if now + delay <= last:
+    if now + delay < horizon_end:
         return now + delay
+    last = horizon_end - LAST_TRY_MARGIN_SECONDS
     return last if now < last else None
