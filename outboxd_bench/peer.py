@@ -21,6 +21,21 @@ from pathlib import Path
 from typing import Any
 
 TABLE = "adcp_task_webhook_outbox"
+SDK_MODULE = "adcp.decisioning.pg.task_webhook_outbox"  # what the peer and the enqueue phase use
+
+
+def require_sdk() -> None:
+    """Import the SDK before any phase runs: without it the peer's phase failed last, in its
+    own process, and a run with that error judges no targets at all."""
+    from importlib import import_module
+
+    from outboxd_bench.procs import BenchUsageError
+
+    try:
+        import_module(SDK_MODULE)
+    except ImportError as exc:
+        raise BenchUsageError(f"--peer adcp needs the adcp SDK, which the [test] extra installs "
+                              f"(pip install 'outboxd[test]'): {exc}") from None
 
 
 def phase_peer(bench: Any) -> dict[str, Any]:

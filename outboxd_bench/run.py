@@ -16,7 +16,7 @@ from outboxd_bench import phases
 from outboxd_bench.endpoints import endpoint_counts, phase_endpoints
 from outboxd_bench.enqueue import ENQUEUE_ROUNDS, phase_enqueue
 from outboxd_bench.harness import Bench, Options
-from outboxd_bench.peer import phase_peer
+from outboxd_bench.peer import phase_peer, require_sdk
 from outboxd_bench.procs import BenchUsageError, PhaseError
 from outboxd_bench.recovery import phase_recovery
 from outboxd_bench.report import figures, machine_info, render_table, targets
@@ -80,6 +80,8 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
         raise BenchUsageError("bench needs PostgreSQL: set OUTBOX_DATABASE_URL=postgresql://... "
                               "(SQLite is a single-process embedded store and is not benchmarked)")
     options = Options.from_args(args)
+    if options.peer == "adcp":
+        require_sdk()
 
     def progress(message: str) -> None:
         print(f"outboxd bench: {message}", file=sys.stderr, flush=True)

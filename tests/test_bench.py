@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 
@@ -159,3 +160,15 @@ def test_a_role_that_may_not_checkpoint_still_benches_and_is_told_why(
         with psycopg.connect(pg_server_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             conn.execute(f'DROP ROLE IF EXISTS "{name}"')
+
+
+def test_bench_peer_adcp_without_the_sdk_stops_before_any_phase(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the SDK, ``--peer adcp`` says so in one line and runs nothing: failing in the
+    peer's phase left a run with an error and no TARGETS section."""
+    monkeypatch.setitem(sys.modules, "adcp", None)  # `import adcp` raises ImportError
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://postgres@127.0.0.1:1/unreachable")
+    assert main(["bench", "--peer", "adcp", "--messages", "10"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "adcp" in err and "[test]" in err and "[1/" not in err
