@@ -57,9 +57,8 @@ def phase_peer(bench: Any) -> dict[str, Any]:
         wait_for("adcp peer enqueue", ready.exists, 300.0, proc)  # importing adcp takes long on a busy box
         meter = CpuMeter(bench.engine, [], [bench.main.proc.pid]).start()
         proc.popen.wait(timeout + 30)
-    except Exception:
-        proc.stop()
-        raise
+    finally:
+        proc.stop()  # nothing once it has exited; else it failed, timed out, or the bench is stopping
     if proc.popen.returncode != 0 or not out.exists():
         raise PhaseError(f"adcp peer failed: {proc.log_tail()}")
     result = json.loads(out.read_text())

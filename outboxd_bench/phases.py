@@ -44,9 +44,10 @@ def phase_bare(bench: Bench, concurrency: int) -> dict[str, Any]:
     try:
         proc.popen.wait(bench.options.drain_timeout)
     except subprocess.TimeoutExpired:
-        proc.stop(signal.SIGKILL)
         raise PhaseError(f"bare loop did not finish {bench.options.messages} POSTs in "
                          f"{bench.options.drain_timeout:.0f} s") from None
+    finally:
+        proc.stop(signal.SIGKILL)  # nothing once it has exited; else timed out, or the bench is stopping
     if proc.popen.returncode != 0 or not out.exists():
         raise PhaseError(f"bare loop failed: {proc.log_tail()}")
     result = json.loads(out.read_text())

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from outboxd_bench import phases
@@ -24,6 +26,44 @@ from outboxd_bench.scale import phase_scale
 from outboxd_bench.wrk import WRK_CONNECTIONS, phase_wrk
 
 Phase = tuple[str, str, Callable[[], dict[str, Any]]]
+SIGTERM_EXIT = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as SIGINT raises ``KeyboardInterrupt`` (and, like it,
+    past the phases' ``except Exception``), so that the teardown runs: SIGTERM's default action
+    ended the bench at once and left its receivers and daemon running, its rows in the outbox
+    (the next run refused the database) and its scratch directory with the keys."""
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while the block runs."""
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM noted, not acted on, until the block ends, then raised again: a stop
+    must not cut the teardown short. (Handlers rather than a signal mask: a mask holds only
+    the thread that sets it, and the CPU meter's sampler thread would take the signal.)"""
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        signal.raise_signal(received[0])  # the restored handler acts on it
 
 
 def plan(bench: Bench) -> list[Phase]:
@@ -95,6 +135,22 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
                                                        "poll_interval_seconds")},
         "receiver": {"path": "/ok", "verifies_signatures": False}, "phases": {}, "errors": {}}
     try:
+        with sigterm_unwinds():
+            _run(bench, report)
+    except Terminated:
+        progress("stopped by SIGTERM")
+        return SIGTERM_EXIT
+    if not report["errors"] and not options.only:
+        report["figures"] = figures(report)
+        report["targets"] = targets(report)
+    print(json.dumps(report, indent=2) if options.json else render_table(report))
+    return 0 if not report["errors"] else 1
+
+
+def _run(bench: Bench, report: dict[str, Any]) -> None:
+    """Every phase of the plan into ``report``, then the teardown, whatever stopped them."""
+    progress = bench.progress
+    try:
         bench.preflight()
         report["machine"] = machine_info(bench.engine)
         bench.setup()
@@ -112,10 +168,6 @@ def run_bench(settings: Any, args: argparse.Namespace) -> int:
                 report["errors"][key] = f"{type(exc).__name__}: {detail}"
                 progress(f"{key} failed: {report['errors'][key]}")
     finally:
-        bench.teardown()
+        with signals_deferred():
+            bench.teardown()
     report["checkpoints_between_phases"] = bench.checkpoints
-    if not report["errors"] and not options.only:
-        report["figures"] = figures(report)
-        report["targets"] = targets(report)
-    print(json.dumps(report, indent=2) if options.json else render_table(report))
-    return 0 if not report["errors"] else 1

@@ -10,9 +10,14 @@ import argparse
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -23,7 +28,9 @@ from outbox.db import libpq_url, make_engine
 from outbox.migrate import upgrade
 from outboxd_bench import run_bench
 from outboxd_bench.procs import BenchUsageError
+from outboxd_bench.run import Terminated, signals_deferred, sigterm_unwinds
 from supervisor.cli import main
+from tests.procs import outboxd, wait_until
 
 
 @pytest.fixture
@@ -172,3 +179,74 @@ def test_bench_peer_adcp_without_the_sdk_stops_before_any_phase(monkeypatch: pyt
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert "adcp" in err and "[test]" in err and "[1/" not in err
+
+
+def _descendants(root: int) -> set[int]:
+    """The live processes below ``root``, from each process's parent in ``/proc``."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie: a child orphaned to a PID 1 that does not reap stays a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_cleans_up_as_sigint_does(bench_url: str, tmp_path: Path) -> None:
+    """SIGTERM (a service manager, a CI job's timeout) mid-phase: every child stopped, the outbox
+    emptied and the scratch directory with its keys removed, exit 143; so the next run starts."""
+    env = {**os.environ, "OUTBOX_DATABASE_URL": bench_url, "TMPDIR": str(tmp_path)}
+    bench = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "bench", "--only", "latency_healthy",
+                              "--rate", "50", "--duration", "60"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    children: set[int] = set()
+
+    def mid_phase() -> bool:  # the daemon started and messages committed
+        children.update(_descendants(bench.pid))
+        with psycopg.connect(libpq_url(bench_url)) as conn:
+            return conn.execute("SELECT count(*) FROM outbox_messages").fetchone()[0] > 0
+
+    try:
+        assert wait_until(mid_phase, 90), "the phase never committed a message"
+        assert len(children) >= 4  # three receivers and a daemon
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 143
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        left = [pid for pid in children if _running(pid)]
+        for pid in left:  # so that a failure here leaves nothing running either
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert list(tmp_path.iterdir()) == []
+    with psycopg.connect(libpq_url(bench_url)) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_messages").fetchone() == (0,)
+    outboxd(env, "bench", "--only", "bare_c1", "--bare-concurrency", "1", "--messages", "20", exit_code=0)
+
+
+def test_a_stop_during_the_teardown_waits_for_it() -> None:
+    """A SIGTERM that lands while the bench tears down is acted on once the teardown is done,
+    with another thread running too (a CPU meter's sampler, left by a stopped phase)."""
+    finished, release = [], threading.Event()
+    threading.Thread(target=release.wait, daemon=True).start()
+    try:
+        with pytest.raises(Terminated):
+            with sigterm_unwinds(), signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)  # a handler that raised would have done so by now
+                finished.append(True)
+    finally:
+        release.set()
+    assert finished == [True]
