@@ -55,14 +55,14 @@ def phase_peer(bench: Any) -> dict[str, Any]:
                                str(timeout), str(out)], bench.workdir / "peer.log", env)
     try:
         wait_for("adcp peer enqueue", ready.exists, 300.0, proc)  # importing adcp takes long on a busy box
-        meter = CpuMeter(bench.engine, [], [bench.main.proc.pid]).start()
+        meter = CpuMeter(bench.engine, [], [bench.main.proc.pid], children=[proc.pid]).start()
         proc.popen.wait(timeout + 30)
     finally:
         proc.stop()  # nothing once it has exited; else it failed, timed out, or the bench is stopping
     if proc.popen.returncode != 0 or not out.exists():
         raise PhaseError(f"adcp peer failed: {proc.log_tail()}")
     result = json.loads(out.read_text())
-    result["cpu"] = meter.stop(extra_cpu_s=result["process_cpu_s"])
+    result["cpu"] = meter.stop()
     result["postgres_cpu_s_per_1000"] = round(result["cpu"]["postgres_cpu_s"] / max(result["delivered"], 1) * 1000, 3)
     if result["delivered"] < n:
         raise PhaseError(f"adcp peer delivered {result['delivered']}/{n} in {timeout:.0f} s")

@@ -51,7 +51,7 @@ def phase_bare(bench: Bench, concurrency: int) -> dict[str, Any]:
     if proc.popen.returncode != 0 or not out.exists():
         raise PhaseError(f"bare loop failed: {proc.log_tail()}")
     result = json.loads(out.read_text())
-    result["cpu"] = meter.stop(extra_cpu_s=result["process_cpu_s"])
+    result["cpu"] = meter.stop()
     return result
 
 

@@ -6,7 +6,6 @@ not only against the Python bare loop. Skipped, and said so, when ``wrk`` is not
 from __future__ import annotations
 
 import re
-import resource
 import shutil
 import subprocess
 from typing import Any
@@ -19,7 +18,7 @@ WRK_THREADS = 1  # one core for the client, as the daemon has one
 
 
 def phase_wrk(bench: Bench) -> dict[str, Any]:
-    """``wrk -t1 -c8 -d<--duration>s`` with a POST script, its CPU from ``getrusage``."""
+    """``wrk -t1 -c8 -d<--duration>s`` with a POST script, its CPU from ``getrusage`` (the meter's)."""
     binary = shutil.which("wrk")
     if binary is None:
         return {"available": False, "reason": "wrk is not installed"}
@@ -32,11 +31,9 @@ def phase_wrk(bench: Bench) -> dict[str, Any]:
     argv = [binary, f"-t{WRK_THREADS}", f"-c{WRK_CONNECTIONS}", f"-d{seconds}s", "-s", str(script),
             bench.main.url("/ok")]
     meter = CpuMeter(bench.engine, [], [bench.main.proc.pid]).start()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    usage = meter.stop(extra_cpu_s=cpu)
+    usage = meter.stop()
+    cpu = usage["children_cpu_s"]  # wrk, the one child that ended in the window
     rate = re.search(r"Requests/sec:\s*([\d.]+)", done.stdout)
     total = re.search(r"(\d+) requests in", done.stdout)
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", done.stdout)
