@@ -5,10 +5,12 @@ and a child process's CPU inside the window is the child's, not "other".
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -93,3 +95,41 @@ def test_a_child_alive_when_the_window_opens_counts_from_there(pg_engine, tmp_pa
     assert inside >= 0.3, inside
     assert inside <= usage["children_cpu_s"] <= inside + 0.1, (inside, usage)
 
+
+async def _poll(conn: psycopg.AsyncConnection, times: int) -> float:
+    """The SDK peer's progress poll ``times`` times; the CPU its backend spent on them."""
+    from outboxd_bench.peer import delivered
+
+    pid = conn.info.backend_pid
+    before = cpu_seconds(pid)
+    for _ in range(times):
+        await delivered(conn)
+    return cpu_seconds(pid) - before
+
+
+def test_the_peer_progress_polls_are_left_out_as_outboxd_phases_polls_are(pg_engine) -> None:
+    """The SDK peer polls its progress on a connection named as the bench's, which the meter
+    leaves out as it leaves out outboxd's phases' polls; the same polls on an unnamed
+    connection (the SDK's pool, where they ran before) count as the SDK's PostgreSQL CPU."""
+    from outboxd_bench.peer import TABLE, progress_connection
+
+    dsn = libpq_url(pg_engine.url)
+    with psycopg.connect(dsn, autocommit=True) as conn:  # enough rows for a poll to cost CPU
+        conn.execute(f"CREATE TABLE {TABLE} AS SELECT 'delivered'::text AS state FROM generate_series(1, 300000)")
+
+    async def metered(connect: Any) -> tuple[float, float]:
+        async with await connect() as conn:
+            meter = CpuMeter(pg_engine, [], []).start()
+            known = await _poll(conn, 20)
+            return known, meter.stop()["postgres_cpu_s"]
+
+    try:
+        named = asyncio.run(metered(lambda: progress_connection(dsn)))
+        unnamed = asyncio.run(metered(lambda: psycopg.AsyncConnection.connect(dsn, autocommit=True)))
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE {TABLE}")
+    for known, _ in (named, unnamed):
+        assert known >= 0.15, (named, unnamed)
+    assert named[1] <= 0.05, named
+    assert unnamed[0] - 0.05 <= unnamed[1] <= unnamed[0] + 0.1, unnamed
