@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outboxd_bench.harness import Bench
-from outboxd_bench.procs import percentile
+from outboxd_bench.procs import CpuMeter, percentile
 
 ENQUEUE_ROUNDS = 1_000  # at most; fewer when --messages is smaller
 ACCOUNT = "acct_bench"
@@ -92,9 +92,11 @@ def phase_enqueue(bench: Bench) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in variants}
     rounds = min(ENQUEUE_ROUNDS, bench.options.messages)
     try:
+        meter = CpuMeter(bench.engine, [], []).start()  # what else ran meanwhile: the noise warning
         for i in range(rounds):
             for name, once in variants.items():
                 samples[name].append(once(i))
+        usage = meter.stop()
     finally:
         seller_engine.dispose()
         if peer is not None:
@@ -106,7 +108,7 @@ def phase_enqueue(bench: Bench) -> dict[str, Any]:
     p99 = {name: round(percentile(values, 99), 3) for name, values in samples.items()}
     added = {name: round(p50[name] - p50["alone"], 3) for name in ("task_webhook", "delivery_report", "event")}
     result: dict[str, Any] = {"rounds": rounds, "p50_ms": p50, "p99_ms": p99, "added_p50_ms": added,
-                              "prepared_statements": not seller_driver_options(bench.settings)}
+                              "prepared_statements": not seller_driver_options(bench.settings), "cpu": usage}
     if peer is not None:
         sdk = round(p50["sdk_enqueue_terminal"] - p50["sdk_alone"], 3)
         result["sdk_added_p50_ms"] = sdk

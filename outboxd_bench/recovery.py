@@ -74,7 +74,8 @@ def phase_recovery(bench: Bench) -> dict[str, Any]:
         raise PhaseError(f"the replay job selected {at_start['total']} of {count} dead messages")
     if at_end["done"] == 0:
         raise PhaseError("the replay job replayed nothing while live traffic ran: no daemon ran it")
-    keep = ("offered", "offered_rate_per_s", "arrived", "missing", "p50_ms", "p95_ms", "p99_ms", "max_ms")
+    # the meter's reading too: the noise warning judges each run by it
+    keep = ("offered", "offered_rate_per_s", "arrived", "missing", "p50_ms", "p95_ms", "p99_ms", "max_ms", "cpu")
     return {
         "without_job": {k: alone[k] for k in keep}, "with_job": {k: during[k] for k in keep},
         "job": {"messages": count, "rate_per_s": at_end["rate"], "replayed_during_run": at_end["done"],
