@@ -251,11 +251,11 @@ def test_an_always_failing_buyer_expires_at_the_horizon_without_delaying_another
 
         (result,) = asyncio.run(hand_off())
         handed[tenant] = result.message_id
-    # This test's short horizon: as if enqueued a day less 66 s ago, so its last try (a minute
-    # before the horizon, supervisor/cycle/completer.py) is due in about 6 s.
+    # This test's short horizon: as if enqueued a day less 20 s ago, so it is retried (every
+    # back-off that comes before the horizon is kept) until its horizon, 20 s away, ends it.
     with pg_engine.begin() as conn:
         conn.execute(update(messages).where(messages.c.id == handed["t1"])
-                     .values(created_at=messages.c.created_at - 86_400 + 66))
+                     .values(created_at=messages.c.created_at - 86_400 + 20))
     daemon = procs.start_daemon(env, tmp_path / "d.log")
     try:
         assert procs.wait_until(lambda: settled(pg_engine), 60)
