@@ -51,14 +51,18 @@ class HandoffResult:
     state: str  # the SDK state it was finished with: complete | pending | suppressed | quarantined
     message_id: int | None  # the outboxd message (None when nothing was stored)
     finished: bool  # False: the SDK lease lapsed first; the next claim hands it off again (same message)
+    error: str | None = None  # the SDK error code it was finished with (integrity_failure, network, ...)
 
 
 @dataclass(frozen=True)
 class Backlog:
-    """SDK work not yet in outboxd: events not yet expanded, deliveries not yet handed off."""
+    """SDK work not yet in outboxd: events not yet expanded, deliveries not yet handed off;
+    and the deliveries quarantined, which never will be (sealed under another cipher key, or
+    a body outboxd refuses)."""
 
     expansions: int
     deliveries: int
+    quarantined: int = 0
 
 
 # adcp-reporting-storage's queue tables: <prefix>expansions and <prefix>deliveries, where
@@ -66,7 +70,8 @@ class Backlog:
 PG_LEDGER_QUEUE = "reporting_notification_"  # PgReportingOutbox: revisions, adjustments, delivery_ready
 PG_STATUS_QUEUE = "reporting_status_notification_"  # PgReportingStatusOutbox: status_changed
 _PG_BACKLOG = ("SELECT (SELECT count(*) FROM {0}expansions WHERE state IN ('pending', 'leased')),"
-               " (SELECT count(*) FROM {0}deliveries WHERE state IN ('pending', 'leased'))")
+               " (SELECT count(*) FROM {0}deliveries WHERE state IN ('pending', 'leased')),"
+               " (SELECT count(*) FROM {0}deliveries WHERE state = 'quarantined')")
 
 
 def pg_backlog(pool: Any, queue: str = PG_LEDGER_QUEUE) -> Callable[[], Awaitable[Backlog]]:
@@ -79,7 +84,7 @@ def pg_backlog(pool: Any, queue: str = PG_LEDGER_QUEUE) -> Callable[[], Awaitabl
     async def backlog() -> Backlog:
         async with pool.connection() as conn:
             row = await (await conn.execute(query)).fetchone()
-        return Backlog(int(row[0]), int(row[1]))
+        return Backlog(int(row[0]), int(row[1]), int(row[2]))
 
     return backlog
 
@@ -161,7 +166,7 @@ class ReportingHandoff:
         retry_at = now + timedelta(seconds=self.retry_seconds) if state == "pending" else None
         finished = await self.queue.finish_delivery(lease, now=now, state=state, error_code=error, retry_at=retry_at)
         binding = lease.delivery.binding
-        return HandoffResult(binding.delivery_id, binding.idempotency_key, state, message_id, finished)
+        return HandoffResult(binding.delivery_id, binding.idempotency_key, state, message_id, finished, error)
 
     async def _due_account(self, *, delivery: bool) -> str | None:
         return await self.queue.next_due_account(delivery=delivery, now=self._clock())

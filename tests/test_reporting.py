@@ -178,6 +178,47 @@ def test_a_delivery_that_does_not_open_is_quarantined_and_nothing_is_stored(engi
     assert fired_to(engine, LEDGER) == []
 
 
+def test_the_daemons_turn_logs_each_quarantined_delivery_by_name(engine, cfg):
+    """A delivery sealed under another daemon's cipher key is lost for good: the daemon says
+    which, with the fix, where a per-process count (reset by every restart) was the only trace."""
+    from datetime import datetime, timezone
+
+    import structlog
+    from adcp.reporting.ledger import InMemoryReportingLedgerStore
+    from adcp.reporting.ledger.notification_models import RevisionPublished, new_event
+    from adcp.reporting.outbox import InMemoryReportingOutbox, ReportingEnvelopeCipher, ReportingNotificationWorker
+    from outbox.reporting import ReportingHandoff
+    from supervisor.cycle.reporting_handoff import handoff_turn
+    from supervisor.observe.metrics import Metrics
+
+    register(engine, cfg, "a-1", "buyer-a")
+    prove_all(engine)
+    now = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
+    ledger = InMemoryReportingLedgerStore(clock=lambda: now, notifications=True)
+    queue = InMemoryReportingOutbox(ledger)
+    resolver = OutboxSubscriptionResolver(engine, "t1", cfg)
+    sealing = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
+                                          cipher=ReportingEnvelopeCipher(b"k" * 32))
+    other_key = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
+                                            cipher=ReportingEnvelopeCipher(b"x" * 32))
+    metrics = Metrics()
+
+    async def run() -> None:
+        async with ledger._mutation():
+            ledger._record_notification(new_event(ACCOUNT, RevisionPublished("rev_1", "buyer-a", "snapshot"), now))
+        assert await sealing.expand_one(account_id=ACCOUNT)
+        handoff = ReportingHandoff(worker=other_key, engine=engine, tenant_id="t1", settings=cfg, clock=lambda: now)
+        await handoff_turn((handoff,), metrics)
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(run())
+    (status,) = asyncio.run(queue.list_deliveries(account_id=ACCOUNT))
+    [line] = [e for e in logs if e["event"] == "reporting.quarantined"]
+    assert (line["delivery_id"], line["error"], line["tenant_id"]) == (status.delivery.binding.delivery_id,
+                                                                       "integrity_failure", "t1")
+    assert "cipher key" in line["hint"]
+
+
 def test_the_sdk_resolver_sees_proven_subscribers_of_a_principal_only(engine, cfg):
     register(engine, cfg, "a-1", "buyer-a")
     register(engine, cfg, "nobody", None)

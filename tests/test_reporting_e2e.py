@@ -209,7 +209,7 @@ def test_outboxd_run_drives_the_handoff_on_the_sdk_postgres_outbox(pg_engine, pg
     finally:
         assert procs.stop(daemon) == 0
     report = json.loads(shown)
-    assert report["backlog"] == {"expansions": 0, "deliveries": 0}
+    assert report["backlog"] == {"expansions": 0, "deliveries": 0, "quarantined": 0}
     assert report["messages"] == {"delivered": 3}
     seen = [a for a in procs.arrivals(log) if a["path"] in ("/ok/dm-a", "/ok/dm-b") and a["type"] in TYPES]
     assert all(a["verified"] for a in seen) and len(seen) == 3

@@ -37,7 +37,8 @@ async def sdk_backlog(settings: Settings) -> dict[str, int] | None:
         backlog = await total_backlog(handoffs)
     finally:
         await close_all(handoffs)
-    return None if backlog is None else {"expansions": backlog.expansions, "deliveries": backlog.deliveries}
+    return None if backlog is None else {"expansions": backlog.expansions, "deliveries": backlog.deliveries,
+                                         "quarantined": backlog.quarantined}
 
 
 def cmd_reporting(args: argparse.Namespace, settings: Settings) -> int:
@@ -52,6 +53,9 @@ def cmd_reporting(args: argparse.Namespace, settings: Settings) -> int:
     print(f"{'backlog':9} " + ("unknown" if backlog is None else
                                f"{backlog['expansions']} events to expand, {backlog['deliveries']} deliveries "
                                "to hand off"))
+    if backlog is not None and backlog["quarantined"]:
+        print(f"{'lost':9} {backlog['quarantined']} deliveries quarantined in the SDK's queue, never to be sent "
+              "(`reporting.quarantined` log lines name them; docs/reporting.md)")
     print(f"{'messages':9} {', '.join(f'{k} {v}' for k, v in data['messages'].items()) or 'none'}")
     return 0
 

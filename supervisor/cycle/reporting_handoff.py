@@ -54,14 +54,25 @@ async def total_backlog(handoffs: tuple[ReportingHandoff, ...]) -> Backlog | Non
     known = [b for b in [await h.backlog() for h in handoffs] if b is not None]
     if not known:
         return None
-    return Backlog(sum(b.expansions for b in known), sum(b.deliveries for b in known))
+    return Backlog(sum(b.expansions for b in known), sum(b.deliveries for b in known),
+                   sum(b.quarantined for b in known))
 
 
 async def handoff_turn(handoffs: tuple[ReportingHandoff, ...], metrics: Metrics) -> None:
-    """One turn: expand and hand off what is due in every queue, then sample the backlog."""
+    """One turn: expand and hand off what is due in every queue, then sample the backlog.
+
+    A quarantined delivery is never sent, so each is logged with what identifies it (the
+    count alone, per process, was the only trace of a cipher key that differed between
+    daemons)."""
+    log = structlog.get_logger("outboxd.reporting")
     for handoff in handoffs:
         for result in await handoff.run_once():
             metrics.reporting_handoffs.labels(state=result.state).inc()
+            if result.state == "quarantined":
+                log.warning("reporting.quarantined", tenant_id=handoff.tenant_id, delivery_id=result.delivery_id,
+                            idempotency_key=result.idempotency_key, error=result.error,
+                            hint="never sent: a delivery sealed under another REPORTING cipher key than this "
+                                 "daemon's, or a body outboxd refuses (docs/reporting.md)")
     backlog = await total_backlog(handoffs)
     if backlog is not None:
         metrics.reporting_backlog.labels(queue="expansions").set(backlog.expansions)
