@@ -145,7 +145,9 @@ def test_a_cancelled_message_is_never_replayed(engine, cfg):
         assert conn.execute(select(messages.c.dead_reason).where(messages.c.id == message_id)).scalar() == "cancelled"
 
 
-def test_a_delivery_that_does_not_open_is_quarantined_and_nothing_is_stored(engine, cfg):
+def _sealed_under_another_key(engine, cfg):
+    """One delivery the SDK sealed with one cipher key, and a hand-off whose worker has
+    another: (the queue, an async function expanding the event and returning the hand-off)."""
     from datetime import datetime, timezone
 
     from adcp.reporting.ledger import InMemoryReportingLedgerStore
@@ -159,17 +161,24 @@ def test_a_delivery_that_does_not_open_is_quarantined_and_nothing_is_stored(engi
     ledger = InMemoryReportingLedgerStore(clock=lambda: now, notifications=True)
     queue = InMemoryReportingOutbox(ledger)
     resolver = OutboxSubscriptionResolver(engine, "t1", cfg)
-    sealing = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
-                                          cipher=ReportingEnvelopeCipher(b"k" * 32))
-    other_key = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
-                                            cipher=ReportingEnvelopeCipher(b"x" * 32))
+    sealing, other_key = (ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
+                                                      cipher=ReportingEnvelopeCipher(key)) for key in (b"k" * 32,
+                                                                                                        b"x" * 32))
 
-    async def run() -> list:
+    async def expanded() -> ReportingHandoff:
         async with ledger._mutation():
             ledger._record_notification(new_event(ACCOUNT, RevisionPublished("rev_1", "buyer-a", "snapshot"), now))
         assert await sealing.expand_one(account_id=ACCOUNT)
-        handoff = ReportingHandoff(worker=other_key, engine=engine, tenant_id="t1", settings=cfg, clock=lambda: now)
-        return await handoff.run_once()
+        return ReportingHandoff(worker=other_key, engine=engine, tenant_id="t1", settings=cfg, clock=lambda: now)
+
+    return queue, expanded
+
+
+def test_a_delivery_that_does_not_open_is_quarantined_and_nothing_is_stored(engine, cfg):
+    queue, expanded = _sealed_under_another_key(engine, cfg)
+
+    async def run() -> list:
+        return await (await expanded()).run_once()
 
     (result,) = asyncio.run(run())
     assert (result.state, result.message_id, result.finished) == ("quarantined", None, True)
@@ -181,34 +190,15 @@ def test_a_delivery_that_does_not_open_is_quarantined_and_nothing_is_stored(engi
 def test_the_daemons_turn_logs_each_quarantined_delivery_by_name(engine, cfg):
     """A delivery sealed under another daemon's cipher key is lost for good: the daemon says
     which, with the fix, where a per-process count (reset by every restart) was the only trace."""
-    from datetime import datetime, timezone
-
     import structlog
-    from adcp.reporting.ledger import InMemoryReportingLedgerStore
-    from adcp.reporting.ledger.notification_models import RevisionPublished, new_event
-    from adcp.reporting.outbox import InMemoryReportingOutbox, ReportingEnvelopeCipher, ReportingNotificationWorker
-    from outbox.reporting import ReportingHandoff
+
     from supervisor.cycle.reporting_handoff import handoff_turn
     from supervisor.observe.metrics import Metrics
 
-    register(engine, cfg, "a-1", "buyer-a")
-    prove_all(engine)
-    now = datetime(2026, 12, 1, 10, tzinfo=timezone.utc)
-    ledger = InMemoryReportingLedgerStore(clock=lambda: now, notifications=True)
-    queue = InMemoryReportingOutbox(ledger)
-    resolver = OutboxSubscriptionResolver(engine, "t1", cfg)
-    sealing = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
-                                          cipher=ReportingEnvelopeCipher(b"k" * 32))
-    other_key = ReportingNotificationWorker(outbox=queue, subscriptions=resolver, clock=lambda: now,
-                                            cipher=ReportingEnvelopeCipher(b"x" * 32))
-    metrics = Metrics()
+    queue, expanded = _sealed_under_another_key(engine, cfg)
 
     async def run() -> None:
-        async with ledger._mutation():
-            ledger._record_notification(new_event(ACCOUNT, RevisionPublished("rev_1", "buyer-a", "snapshot"), now))
-        assert await sealing.expand_one(account_id=ACCOUNT)
-        handoff = ReportingHandoff(worker=other_key, engine=engine, tenant_id="t1", settings=cfg, clock=lambda: now)
-        await handoff_turn((handoff,), metrics)
+        await handoff_turn((await expanded(),), Metrics())
 
     with structlog.testing.capture_logs() as logs:
         asyncio.run(run())
