@@ -196,3 +196,44 @@ def test_daemon_signs_with_database_time_and_refuses_a_clock_too_far_off(skewed_
     (line,) = [ln for ln in run.stderr.splitlines() if ln.startswith("outboxd run:")]
     assert re.search(r"is 1[12]\d\.\d s behind the database clock", line), run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.e2e
+def test_a_clock_found_too_far_off_while_delivering_stops_the_daemon_as_a_stop_does(skewed_pg, tmp_path: Path) -> None:
+    """Requests in flight finish and are recorded before the daemon exits 1 with the clock's
+    line: it dropped them, leaving their leases to expire and their messages to be sent again
+    (and a request the buyer had answered 200 to be sent a second time)."""
+    url, set_ahead = skewed_pg
+    set_ahead(0)
+    pem, jwks = procs.make_key(tmp_path)
+    engine = make_engine(url)
+    with procs.receiver(tmp_path, jwks, verifier="library") as (port, log):
+        with engine.begin() as conn:
+            for i in range(30):
+                outbox.enqueue(conn, tenant_id="t", url=f"http://127.0.0.1:{port}/delay/1500", settings=PRODUCER,
+                               payload={"idempotency_key": f"whk_clock_stop_{i:04d}", "task_id": f"task_{i}"})
+        daemon = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "run"],
+                                  env=procs.daemon_env(url, pem, shutdown_grace_seconds=10),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert procs.wait_until(lambda: len(procs.arrivals(log)) >= 8, 60)
+            set_ahead(-(MAX_OFFSET_SECONDS + 60))  # behind: a clock ahead would also expire every lease
+            with psycopg.connect(url, autocommit=True) as conn:  # the clock is measured again after an outage
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                             "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            _, stderr = daemon.communicate(timeout=90)
+        finally:
+            if daemon.poll() is None:
+                daemon.kill()
+    assert daemon.returncode == 1 and "ahead of the database clock" in stderr, stderr[-2000:]
+    engine.dispose()  # its pooled connection was terminated with the daemon's
+    with engine.connect() as conn:
+        left = conn.execute(text("SELECT count(*) FROM outbox_messages WHERE state = 'in_flight'")).scalar_one()
+        delivered = conn.execute(text("SELECT count(*) FROM outbox_messages WHERE state = 'delivered'")).scalar_one()
+    engine.dispose()
+    arrived = {a["key"] for a in procs.arrivals(log)}
+    assert left == 0, f"{left} leases left to expire"
+    with engine.connect() as conn:
+        trail = conn.execute(text("SELECT m.state, a.outcome, m.last_error, count(*) FROM outbox_messages m "
+                                  "LEFT JOIN outbox_attempts a ON a.message_id = m.id GROUP BY 1, 2, 3")).all()
+    assert delivered == len(arrived), f"an answered request was not recorded: {trail}"

@@ -394,10 +394,13 @@ class Daemon:
                 self.cutoff.cut()
             await self.cutoff.by(grace_ends, asyncio.gather(claimer, return_exceptions=True))  # a claim unanswered
             recorded_by = grace_ends
-            if failure is None:
+            # The database answers after a stop, and after a clock found too far off (what is
+            # in flight was signed with the database's time): requests finish and are recorded,
+            # else their leases expire and they are sent again.
+            if failure is None or isinstance(failure, ClockOffsetError):
                 await self.claimer.finish(self.settings.shutdown_grace_seconds)
                 recorded_by = max(grace_ends, loop.time() + RECORDING_FLOOR_SECONDS)
-                failure = await self._record_the_rest(stopped_at, recorded_by)
+                failure = await self._record_the_rest(stopped_at, recorded_by) or failure
             # From here on nothing waits for the database past that time.
             cut = loop.call_at(recorded_by, self.cutoff.cut)
             # Stop counting as an encryption-key reader while the other loops still run: their
