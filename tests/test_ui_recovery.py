@@ -157,6 +157,29 @@ def test_a_cancel_pending_job_is_counted_then_started_from_its_own_form(engine, 
     assert 'class="badge cancelled"' not in client.get("/jobs").text and "cancel pending" in client.get("/jobs").text
 
 
+def test_a_job_since_a_duration_ago_counts_back_from_the_databases_clock(engine, console, monkeypatch):
+    """A console whose host clock is two hours ahead: "since 52w" is 52 weeks of the database's
+    clock, and the confirmation carries that time (it carried the host's, and the started job
+    selected a window two hours off: nothing, with the host ahead)."""
+    import time
+
+    from supervisor.cli import common
+
+    client, csrf, _ = console
+    tenant = next(t for t in ("acme", "globex", "initech") if pending_matching(engine, t))
+    real = time.time
+    monkeypatch.setattr(common.time, "time", lambda: real() + 7200)
+    dry = client.post("/jobs/start", data={"csrf": csrf, "kind": "cancel", "tenant": tenant, "since": "52w"})
+    confirm = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', dry.text.split("confirm-job")[1]))
+    monkeypatch.setattr(common.time, "time", real)
+    from datetime import datetime
+
+    since = datetime.fromisoformat(confirm["since"].replace("Z", "+00:00")).timestamp()
+    assert abs(since - (real() - 52 * 604800)) < 60, confirm["since"]
+    started = client.post("/jobs/start", data=confirm, follow_redirects=False)
+    assert started.status_code == 303 and job_state(engine) == [("running", pending_matching(engine, tenant))]
+
+
 @pytest.mark.parametrize("engine", ["sqlite"], indirect=True)
 def test_job_actions_refuse_forgery_and_answer_mistakes_with_a_sentence(engine, console):
     client, csrf, _ = console
@@ -195,10 +218,11 @@ def test_a_typed_origin_is_any_url_of_the_endpoint():
                       st.one_of(st.sampled_from(["cancel", "replay", "2h", "1h"]), st.text(max_size=30))))
 @example({"tenant": "0"})
 @example({"tenant": "000"})
+@example({"tenant": "\r", "since": "2h"})
 def test_any_typed_job_is_a_selection_or_a_sentence(fields):
     try:
         selection = job_selection(fields)
-        assert selection.tenant_id and selection.tenant_id == selection.tenant_id.strip()
+        assert selection.tenant_id and selection.tenant_id == fields["tenant"]  # a tenant id is taken exactly
         assert selection.kind in ("replay", "cancel")
         assert selection.until is None or selection.until >= selection.since
     except BadInput as exc:

@@ -94,7 +94,7 @@ def _until(selection: Selection, now: float) -> float:
     return now if selection.until is None else min(selection.until, now)
 
 
-def _in_database_time(selection: Selection, now: float) -> Selection:
+def in_database_time(selection: Selection, now: float) -> Selection:
     """``selection`` with a time given as a duration ago counted back from ``now`` (the database's)."""
     return dataclasses.replace(selection, since=when.at(selection.since, now) or 0.0,
                                until=when.at(selection.until, now))
@@ -103,7 +103,7 @@ def _in_database_time(selection: Selection, now: float) -> Selection:
 async def count(conn: AsyncConnection, selection: Selection) -> int:
     """The dry run: how many messages the selection matches now."""
     now = await store.db_now(conn)
-    selection = _in_database_time(selection, now)
+    selection = in_database_time(selection, now)
     until = _until(selection, now)
     return int((await conn.execute(select(func.count()).where(selection.where(until)))).scalar_one())
 
@@ -111,7 +111,7 @@ async def count(conn: AsyncConnection, selection: Selection) -> int:
 async def create(conn: AsyncConnection, selection: Selection, *, force: bool, rate: float) -> dict[str, Any]:
     """Write a running job for ``selection``; the daemons pick it up within a second."""
     now = await store.db_now(conn)
-    selection = _in_database_time(selection, now)
+    selection = in_database_time(selection, now)
     until = _until(selection, now)
     total = int((await conn.execute(select(func.count()).where(selection.where(until)))).scalar_one())
     job_id = (await conn.execute(insert(jobs).values(

@@ -70,8 +70,9 @@ def routes(kit: Kit) -> list[Route]:
             return kit.refuse(request, 400, str(exc))
         if form.get("confirm") != "yes":
             async with kit.reader().connect() as conn:
-                matched = await jobs.count(conn, selection)
                 now = await store.db_now(conn)
+                selection = jobs.in_database_time(selection, now)  # "1h" is an hour of the database's clock
+                matched = await jobs.count(conn, selection)
             # the confirmation starts from this count's times
             return kit.render(request, "job_start.html", selection=selection, rate=rate, matched=matched,
                               since=rfc3339(selection.since), now=now, once=kit.confirmations.issue(),
