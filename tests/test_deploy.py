@@ -704,5 +704,6 @@ def test_the_counters_alerts_read_start_at_zero() -> None:
     expected = [f'outbox_dead_letters_total{{reason="{reason}"}} 0.0' for reason in DEAD_REASONS] + [
         'outbox_deliveries_total{outcome="delivered"} 0.0', 'outbox_deliveries_total{outcome="dead"} 0.0',
         'outbox_attempts_total{outcome="success",status_class="2xx"} 0.0',
-        'outbox_breaker_transitions_total{from_state="closed",to_state="open"} 0.0']
+        'outbox_breaker_transitions_total{from_state="closed",to_state="open"} 0.0',
+        'outbox_breaker_transitions_total{from_state="open",to_state="half_open"} 0.0']
     assert [line for line in expected if line not in exposed.splitlines()] == []

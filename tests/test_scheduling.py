@@ -100,10 +100,11 @@ async def test_a_claim_hands_back_its_batch_in_turn_order_whatever_the_rows_stor
     assert keys == [message_key(t, i) for i in range(8) for t in ("t1", "t2")], keys
 
 
-async def test_a_probe_taken_for_a_message_not_sent_is_given_back(engine):
+async def test_the_half_open_probe_is_free_again_once_its_outcome_is_recorded(engine):
     """A message that took its endpoint's half-open probe and then was not sent (held: its
     scope has no signing key; past its horizon; handed back) gives the probe back when its
-    outcome is recorded: the endpoint's next message may probe at once, not a lease later."""
+    outcome is recorded, and so does a probe that succeeded short of closing the breaker: the
+    endpoint's next message may probe at once, not when the probe's 30 s lease would end."""
     import dataclasses
 
     import outbox
@@ -125,14 +126,15 @@ async def test_a_probe_taken_for_a_message_not_sent_is_given_back(engine):
             await breaker_rows.save_breakers(conn, [{**closed_row("t1", "https://sick.example.com"),
                                                      "state": "open", "trips": 1, "open_until": now - 1,
                                                      "updated_at": now}])
-        for why in ("held", "expire"):
+        for why in ("held", "expire", "delivered"):
             (probe,) = await _claim(aengine, cap=8)
             async with aengine.begin() as conn:
                 assert await breaker_rows.acquire_probe(conn, "t1", "https://sick.example.com", 30)
             assert await _claim(aengine, cap=8) == [], "half-open with its probe out: nothing more"
             taken = dataclasses.replace(probe, holds_probe=True)
-            outcome = (Outcome.held(taken, "no active signing key") if why == "held"
-                       else Outcome(taken, "expire", "expired", reason="expired", error="retry horizon passed"))
+            outcome = {"held": Outcome.held(taken, "no active signing key"),
+                       "expire": Outcome(taken, "expire", "expired", reason="expired", error="retry horizon passed"),
+                       "delivered": Outcome(taken, "delivered", "success", http_status=200, sent=True)}[why]
             await completer.flush([outcome])
             again = await _claim(aengine, cap=8)
             assert len(again) == 1 and again[0].id != probe.id, f"{why}: the probe was not given back"

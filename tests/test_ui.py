@@ -282,7 +282,7 @@ def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_pat
         procs.stop(proc)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_ends_the_console_gracefully_with_status_0(pg_url, tmp_path, sig):
     """Kubernetes and systemd read a non-zero status after their own SIGTERM as a failed stop."""
     port = procs.free_port()

@@ -129,7 +129,9 @@ def apply_outcomes(
                 trip(state["failures"] + 1)  # the failed probe, on top of what tripped it before
                 continue
             state["successes"] += 1
-            state["probe_until"] = None  # the next probe may go
+            # The next probe may go now: the lease cut short to now, not NULL, which is what the
+            # due tables' trigger (migration 0014) watches for to put the endpoint before the claim.
+            state["probe_until"] = now
             if state["successes"] >= policy.success_threshold:
                 state.update(failures=0, successes=0, trips=0, open_until=None)
                 move(CircuitState.CLOSED)

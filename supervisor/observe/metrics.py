@@ -46,7 +46,7 @@ def status_class(status: int | None) -> str:
 
 
 # The series a daemon commonly writes, created at 0 (see Metrics.__init__).
-BREAKER_TRANSITIONS = (("closed", "open"), ("half_open", "open"), ("half_open", "closed"))
+BREAKER_TRANSITIONS = (("closed", "open"), ("open", "half_open"), ("half_open", "open"), ("half_open", "closed"))
 ATTEMPT_SERIES = (("success", "2xx"), ("failed", "3xx"), ("failed", "4xx"), ("failed", "5xx"), ("timeout", "none"),
                   ("connection_error", "none"))
 

@@ -53,9 +53,11 @@ def _stop_signals_end_quietly() -> None:
     """uvicorn sends itself the stop signal again after its graceful shutdown, which under the
     default handlers ends the process by that signal (status 143, or a traceback for SIGINT); a
     supervisor reads that as a failed stop. With these handlers in place the re-sent signal is
-    ignored and a graceful stop exits 0, as the daemon's does."""
+    ignored and a graceful stop exits 0, as the daemon's does; SIGHUP stops it as SIGTERM does."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _sig, _frame: None)
+    # A closed terminal stops it as SIGTERM does (uvicorn itself handles only SIGTERM and SIGINT).
+    signal.signal(signal.SIGHUP, lambda _sig, _frame: signal.raise_signal(signal.SIGTERM))
 
 
 def _listen(host: str, port: int) -> socket.socket:
