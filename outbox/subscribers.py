@@ -160,19 +160,10 @@ def fail_held(subscriber_refs: Sequence[int], why: str) -> Update:
             .values(held=False, state="dead", dead_reason="proof_failed", finished_at=db_now(), last_error=why))
 
 
-def subscriber_states(subscriber_refs: Sequence[int]) -> Select[Any]:
-    """The rows :func:`may_send` judges, of those of ``subscriber_refs`` still registered (a
-    removed subscriber's row is gone)."""
-    return select(subscribers.c.id, subscribers.c.state, subscribers.c.updated_at).where(
-        subscribers.c.id.in_(list(subscriber_refs)))
-
-
-def may_send(row: Any, claimed_at: float) -> bool:
-    """Whether a fire leased at ``claimed_at`` (the database's time) may still go to the
-    subscriber ``row`` (``None``: removed): not paused, and not changed since the lease. A
-    pause the subscriber was re-activated from before the fire's request started leaves the
-    state as it was, but the pause ended that fire (docs/reporting.md, "Revocation")."""
-    return row is not None and row.state != "paused" and float(row.updated_at) <= claimed_at
+def sending_to(subscriber_refs: Sequence[int]) -> Select[Any]:
+    """Which of ``subscriber_refs`` may still be sent fires: registered (a removed subscriber's
+    row is gone) and not paused."""
+    return select(subscribers.c.id).where(subscribers.c.id.in_(list(subscriber_refs)), subscribers.c.state != "paused")
 
 
 def cancel_pending(subscriber_refs: Sequence[int], why: str) -> Update:

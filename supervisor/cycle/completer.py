@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import breaker_rows, store
 from outbox.config import Settings
 from outbox.leases import Claimed, Completion
-from outbox.subscribers import may_send, subscriber_states
+from outbox.subscribers import sending_to
 from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
@@ -88,9 +88,8 @@ async def _revoked(conn, batch: Sequence[Outcome]) -> set[int]:
     refs = {o.message.subscriber_ref for o in batch if _may_continue(o)}
     if not refs:
         return set()
-    rows = {row.id: row for row in await conn.execute(subscriber_states(list(refs)).with_for_update(read=True))}
-    return {o.message.id for o in batch
-            if _may_continue(o) and not may_send(rows.get(o.message.subscriber_ref), o.message.claimed_at)}
+    live = set((await conn.execute(sending_to(list(refs)).with_for_update(read=True))).scalars())
+    return {o.message.id for o in batch if _may_continue(o) and o.message.subscriber_ref not in live}
 
 
 class Completer:

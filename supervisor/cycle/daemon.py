@@ -33,7 +33,7 @@ from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
 from outbox.leases import Claimed
-from outbox.subscribers import may_send, subscriber_states
+from outbox.subscribers import sending_to
 from supervisor.observe import events, tracing
 from supervisor.cycle.attempt import Outcome, attempt
 from supervisor.cycle.claimer import Claimer
@@ -161,7 +161,7 @@ class Daemon:
         return run if self.tracing is None else self.tracing.traced(run)
 
     async def _unless_revoked(self, m: Claimed) -> Outcome:
-        """A subscriber's fire, sent only if its subscriber is registered, not paused, and unchanged since the claim.
+        """A subscriber's fire, sent only if its subscriber is still registered and not paused.
 
         A fire may wait in memory for a slot, seconds after its claim (supervisor/cycle/dispatch.py),
         and a revocation meanwhile skips it (it is leased, not pending). Read as its request
@@ -170,10 +170,10 @@ class Daemon:
         for other messages."""
         try:
             async with reading(self.engine).connect() as conn:
-                row = (await conn.execute(subscriber_states([m.subscriber_ref or 0]))).first()
+                live = (await conn.execute(sending_to([m.subscriber_ref or 0]))).first() is not None
         except SQLAlchemyError as exc:
             return Outcome.held(m, f"its subscriber's state could not be read: {error_line(exc)}")
-        if not may_send(row, m.claimed_at):
+        if not live:
             return Outcome(m, "release", "released", error="subscriber removed or paused before sending")
         return await attempt(m, settings=self.settings, keys=self.keys, sender=self.sender, clock=self.clock)
 
