@@ -62,7 +62,13 @@ def _claim_buffers(pg_engine: Any) -> int:
 
 @pytest.mark.parametrize(("origins", "few"), [(1, 10), (0, 100)], ids=["tenants-of-one-origin", "one-origin-each"])
 def test_claim_work_does_not_grow_with_backlogged_endpoints(pg_engine, origins, few):
-    """A few backlogged endpoints vs three thousand, five due messages each: within 1.5 x.
+    """A few backlogged endpoints vs three thousand, five due messages each: each endpoint
+    beyond the few adds at most a quarter of a buffer to the claim (a claim that walked every
+    endpoint with pending work read six and more for each: 63,000 for 10,000 endpoints).
+    Measured: 0.06 (tenants of one origin) and 0.14 (an origin each). A ratio of the two
+    counts sat at 1.47 against a bound of 1.5, and the few's count moved by 11 buffers with
+    what the database had held before, so the growth per endpoint is what is judged here; the
+    bench judges the ratio at 10,000 endpoints (docs/performance.md, "Many backlogged endpoints").
 
     Tenants of one origin: ten endpoints fill the origin's budget as three thousand do. An
     origin each: a batch of fifty spans fifty endpoints from a hundred on, so that is the
@@ -70,13 +76,11 @@ def test_claim_work_does_not_grow_with_backlogged_endpoints(pg_engine, origins, 
     cost = {}
     for endpoints in (few, 3_000):
         with pg_engine.begin() as conn:
-            # Breakers too: the claim looks up each endpoint's, and rows other tests left in
-            # this database move its buffer count by more than the margin judged here.
             conn.execute(text("TRUNCATE outbox_messages, outbox_due_origins, outbox_due_endpoints, "
                               "outbox_due_arrivals, outbox_breakers"))
             _insert(conn, endpoints=endpoints, per=5, origins=origins or endpoints)
         cost[endpoints] = _claim_buffers(pg_engine)
-    assert cost[3_000] <= 1.5 * cost[few], cost
+    assert (cost[3_000] - cost[few]) / (3_000 - few) <= 0.25, cost
 
 
 async def _claim(engine: Any, *, limit: int = 50, cap: int = BUDGET, daemon: str = "d1",
