@@ -284,7 +284,19 @@ def test_without_a_configured_token_one_is_generated_and_printed(pg_url, tmp_pat
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_ends_the_console_gracefully_with_status_0(pg_url, tmp_path, sig):
-    """Kubernetes and systemd read a non-zero status after their own SIGTERM as a failed stop."""
+    """Kubernetes and systemd read a non-zero status after their own SIGTERM as a failed stop.
+    Sent as soon as the port accepts (the console binds it before it starts serving) and again
+    once a page has answered: both stop it."""
     port = procs.free_port()
     proc = procs.start_ui(console_env(pg_url), port, tmp_path / "ui.log")
+    assert procs.stop(proc, sig) == 0, (tmp_path / "ui.log").read_text()[-500:]
+    proc = procs.start_ui(console_env(pg_url), port, tmp_path / "ui.log")
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/login", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    assert procs.wait_until(answers, 30)
     assert procs.stop(proc, sig) == 0, (tmp_path / "ui.log").read_text()[-500:]

@@ -33,6 +33,7 @@ def serve(settings: Settings) -> int:
         # Off loopback the token is all that stands between the network and replay or reset.
         raise ValueError(f"OUTBOX_UI_TOKEN has {len(settings.ui_token)} characters: a console listening on {host} "
                          f"needs at least {MIN_REMOTE_TOKEN} (make one with: openssl rand -base64 32)")
+    _stop_signals_end_quietly()  # before the port accepts: a stop from then on ends it with status 0
     listening = _listen(host, port)  # before anything is printed: a port in use is one line, no token shown
     token = settings.ui_token or secrets.token_urlsafe(24)
     shown = f"[{host}]" if ":" in host else host
@@ -44,7 +45,6 @@ def serve(settings: Settings) -> int:
     # A page still waiting when told to stop gets the shutdown grace, as the daemon's requests do.
     config = uvicorn.Config(make_app(settings, token), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=settings.shutdown_grace_seconds)
-    _stop_signals_end_quietly()
     uvicorn.Server(config).run(sockets=[listening])
     return 0
 
@@ -52,10 +52,12 @@ def serve(settings: Settings) -> int:
 def _stop_signals_end_quietly() -> None:
     """uvicorn sends itself the stop signal again after its graceful shutdown, which under the
     default handlers ends the process by that signal (status 143, or a traceback for SIGINT); a
-    supervisor reads that as a failed stop. With these handlers in place the re-sent signal is
-    ignored and a graceful stop exits 0, as the daemon's does; SIGHUP stops it as SIGTERM does."""
+    supervisor reads that as a failed stop. These handlers end the process with status 0
+    instead, as the daemon's graceful stop does: the re-sent signal after uvicorn's shutdown,
+    and a signal that comes before uvicorn has taken them over (the console starting, nothing
+    to drain yet). SIGHUP stops it as SIGTERM does."""
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _sig, _frame: None)
+        signal.signal(sig, lambda _sig, _frame: sys.exit(0))
     # A closed terminal stops it as SIGTERM does (uvicorn itself handles only SIGTERM and SIGINT).
     signal.signal(signal.SIGHUP, lambda _sig, _frame: signal.raise_signal(signal.SIGTERM))
 
