@@ -52,7 +52,9 @@ def _read_snapshot(settings: Settings) -> Snapshot:
     reading takes no write lock, so on SQLite it neither waits behind a seller's transaction nor
     holds up the seller's next enqueue."""
     snapshot: Snapshot = run_async(settings, lambda conn: conn.run_sync(keyring.read_snapshot), reads_only=True)
-    return _in_transaction(settings, keyring.read_snapshot) if keyring.unseeded(snapshot, settings) else snapshot
+    if keyring.unseeded(snapshot, keyring.configured_keys(settings)):
+        return _in_transaction(settings, keyring.read_snapshot)
+    return snapshot
 
 
 def write_private_key(out: Path, alg: str, overwrite: bool = False) -> None:

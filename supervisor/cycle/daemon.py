@@ -153,14 +153,15 @@ class Daemon:
         """One attempt of a claimed message; inside its span when tracing is on (supervisor/observe/tracing.py)."""
         settings = self.settings
 
-        def run(m: Claimed) -> Awaitable[Outcome]:  # the coroutine itself: no extra frame when tracing is off
-            if m.subscriber_ref is not None:
-                return self._unless_revoked(m)
+        def send(m: Claimed) -> Awaitable[Outcome]:
             return attempt(m, settings=settings, keys=self.keys, sender=self.sender, clock=self.clock)
+
+        def run(m: Claimed) -> Awaitable[Outcome]:  # the coroutine itself: no extra frame when tracing is off
+            return send(m) if m.subscriber_ref is None else self._unless_revoked(m, send)
 
         return run if self.tracing is None else self.tracing.traced(run)
 
-    async def _unless_revoked(self, m: Claimed) -> Outcome:
+    async def _unless_revoked(self, m: Claimed, send: Callable[[Claimed], Awaitable[Outcome]]) -> Outcome:
         """A subscriber's fire, sent only if its subscriber is still registered and not paused.
 
         A fire may wait in memory for a slot, seconds after its claim (supervisor/cycle/dispatch.py),
@@ -175,7 +176,7 @@ class Daemon:
             return Outcome.held(m, f"its subscriber's state could not be read: {error_line(exc)}")
         if not live:
             return Outcome(m, "release", "released", error="subscriber removed or paused before sending")
-        return await attempt(m, settings=self.settings, keys=self.keys, sender=self.sender, clock=self.clock)
+        return await send(m)
 
     async def _measure_clock(self) -> None:
         try:

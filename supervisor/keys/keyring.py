@@ -270,9 +270,10 @@ def configured_keys(settings: Settings) -> list[tuple[str, str, str | None]]:
     return seeds
 
 
-def unseeded(snapshot: Snapshot, settings: Settings) -> bool:
-    """Whether a configured key's scope has no key yet, so :func:`bootstrap` has one to register."""
-    return any(not snapshot.by_scope.get(scope) for scope, _, _ in configured_keys(settings))
+def unseeded(snapshot: Snapshot, seeds: list[tuple[str, str, str | None]]) -> bool:
+    """Whether a scope of ``seeds`` (:func:`configured_keys`) has no key yet, so
+    :func:`bootstrap` has one to register."""
+    return any(not snapshot.by_scope.get(scope) for scope, _, _ in seeds)
 
 
 def bootstrap(conn: Connection, settings: Settings) -> list[KeyRecord]:
@@ -283,7 +284,7 @@ def bootstrap(conn: Connection, settings: Settings) -> list[KeyRecord]:
     from every replica at once: writers are serialized and the check is repeated under lock.
     """
     seeds = configured_keys(settings)
-    if not unseeded(read_snapshot(conn), settings):
+    if not unseeded(read_snapshot(conn), seeds):
         return []
     snapshot = _lock(conn)
     registered = []
