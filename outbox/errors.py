@@ -33,5 +33,13 @@ class IdempotencyConflictError(OutboxValidationError):
         )
 
 
+class MessageRolledBack(RuntimeError):
+    """The message's id was asked for after its transaction rolled back before writing it:
+    the message does not exist (docs/enqueue.md, "When the row is written")."""
+
+    def __init__(self) -> None:
+        super().__init__("the message was rolled back with its transaction before it was written: it does not exist")
+
+
 class ConfigurationError(ValueError):
     """A setting (environment variable or TOML key) with a value the outbox cannot use."""

@@ -138,7 +138,7 @@ def enqueue_event(
             raise OutboxValidationError(f"payload.{name}", "is set by enqueue_event, per fire")
     if fields.pop("notification_type", notification_type) != notification_type:
         raise OutboxValidationError("payload.notification_type", "differs from notification_type")
-    connection = _connection(conn)
+    connection = _connection(conn, minted=True)
     query = _fan_out_query(connection.dialect.name == "postgresql", owner is not None)
     fire_fields = {"notification_id": event_id, "notification_type": notification_type, "fired_at": _timestamp()}
     fires = []
@@ -153,7 +153,7 @@ def enqueue_event(
     if not fires:  # no subscriber yet: refuse what the first one's fire would be refused for, all the same
         _render({"idempotency_key": _idempotency_key(None), **fire_fields, "subscriber_id": "", **fields}, "payload")
     keys = producer_keys(connection, settings)
-    return [store_bound(connection, fire, keys) for fire in fires]
+    return [store_bound(connection, fire, keys, minted=True) for fire in fires]
 
 
 class SubscriberUnavailable(OutboxValidationError):

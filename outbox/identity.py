@@ -24,7 +24,6 @@ import hashlib
 import hmac
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,6 +33,7 @@ from sqlalchemy import Connection, Engine, inspect, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from outbox.arguments import is_utf8
+from outbox.commit_pipeline import ParkedInsert, park, parking_connection
 from outbox.errors import IdempotencyConflictError, OutboxValidationError
 from outbox.schema import messages
 from outbox.sealing import KeyUnavailable, SealError, SealingKeys, plaintext, sealed_row
@@ -43,13 +43,46 @@ from outbox.wire import json_default
 TRANSPORT_FIELDS = ("timestamp",)
 
 
-@dataclass(frozen=True)
 class EnqueuedMessage:
-    """What the caller gets back: enough to correlate logs, the CLI and the receiver."""
+    """What the caller gets back: enough to correlate logs, the CLI and the receiver. Immutable.
 
-    id: int
+    A message whose INSERT rides the transaction's ``COMMIT`` (:mod:`outbox.commit_pipeline`)
+    learns its ``id`` then; reading ``id`` before that writes the row at once.
+    """
+
+    __slots__ = ("_id", "idempotency_key", "sequence_number")
     idempotency_key: str
-    sequence_number: int | None = None
+    sequence_number: int | None
+
+    def __init__(self, id: int | ParkedInsert, idempotency_key: str, sequence_number: int | None = None) -> None:
+        for name, value in (("_id", id), ("idempotency_key", idempotency_key), ("sequence_number", sequence_number)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def id(self) -> int:
+        if isinstance(self._id, ParkedInsert):
+            object.__setattr__(self, "_id", self._id.id())
+        return self._id
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"EnqueuedMessage is immutable: cannot set {name!r}")
+
+    def _fields(self) -> tuple[int, str, int | None]:
+        return self.id, self.idempotency_key, self.sequence_number
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EnqueuedMessage) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __reduce__(self) -> tuple[Any, tuple[int, str, int | None]]:
+        return EnqueuedMessage, self._fields()
+
+    def __repr__(self) -> str:
+        stored = self._id.written() if isinstance(self._id, ParkedInsert) else self._id
+        return (f"EnqueuedMessage(id={'(with the COMMIT)' if stored is None else stored}, "
+                f"idempotency_key={self.idempotency_key!r}, sequence_number={self.sequence_number!r})")
 
 
 def _reject_constant(name: str) -> Any:
@@ -204,6 +237,11 @@ _INSERTS = {
 }
 
 
+# A minted key cannot be taken, so its INSERT has no conflict clause: were it taken all the
+# same, the transaction fails whole rather than commit without the message.
+_MINTED_INSERT = messages.insert().returning(messages.c.id)
+
+
 def stored_values(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None) -> dict[str, Any]:
     """The columns to insert for a rendered row: body and credential sealed, digest taken.
 
@@ -228,12 +266,19 @@ def insert_new(connection: Connection, row: Mapping[str, Any], keys: SealingKeys
     return connection.execute(_INSERTS[connection.dialect.name], stored_values(connection, row, keys)).scalar()
 
 
-def store_bound(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None = None) -> EnqueuedMessage:
+def store_bound(connection: Connection, row: Mapping[str, Any], keys: SealingKeys | None = None, *,
+                minted: bool = False) -> EnqueuedMessage:
     """Insert a rendered message row or return its twin (``keys``: the settings' sealing keys).
 
     Insert first and look up only on conflict: the common call (a fresh key) costs one
-    statement.
+    statement. A row whose key the enqueue ``minted`` has no twin: where the connection
+    allows, its INSERT is parked to go with the transaction's next round trip, the
+    ``COMMIT`` as a rule (:mod:`outbox.commit_pipeline`).
     """
+    raw = parking_connection(connection) if minted else None
+    if raw is not None:
+        parked = park(connection, raw, _MINTED_INSERT, stored_values(connection, row, keys))
+        return EnqueuedMessage(parked, row["idempotency_key"], row.get("sequence_number"))
     new_id = insert_new(connection, row, keys)
     if new_id is not None:
         return EnqueuedMessage(new_id, row["idempotency_key"], row.get("sequence_number"))

@@ -132,8 +132,14 @@ def _timestamp() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _connection(conn: Conn) -> Connection:
+def _connection(conn: Conn, *, minted: bool = False) -> Connection:
+    """The caller's connection. A ``Session`` with autoflush (the default) sends its pending
+    changes first when the enqueue ``minted`` its key, as a query would: the row may then
+    ride the ``COMMIT`` alone, where the commit's own flush would send it ahead of the
+    flushed statements, in a round trip of its own (docs/enqueue.md, "When the row is written")."""
     if isinstance(conn, Session):
+        if minted and conn.autoflush:
+            conn.flush()
         return conn.connection()
     if not isinstance(conn, Connection):  # an Engine, a DBAPI connection: nothing to share a transaction with
         raise TypeError(f"conn must be the seller's SQLAlchemy Connection or Session, inside the transaction "
@@ -242,8 +248,8 @@ def enqueue_task_webhook(
     row = _row(tenant, registration, key, _render(envelope), envelope, settings,
                {"task_id": task_id, "task_type": task_type, "task_status": status, "horizon_seconds": horizon,
                 **_attribution(principal_id=principal(principal_id))})
-    connection = _connection(conn)
-    return store_bound(connection, row, producer_keys(connection, settings))
+    connection = _connection(conn, minted=idempotency_key is None)
+    return store_bound(connection, row, producer_keys(connection, settings), minted=idempotency_key is None)
 
 
 def enqueue_delivery_report(
@@ -371,6 +377,7 @@ def enqueue(
     tenant = _tenant(tenant_id)
     registration = _registration({"url": url, "authentication": authentication}, "url", settings,
                                  require_operation_id=False)
+    minted = False
     if isinstance(payload, (bytes, bytearray)):
         body = bytes(payload)
         decoded, key = exact_body(body, "payload")
@@ -381,6 +388,7 @@ def enqueue(
         in_payload = envelope.get("idempotency_key")
         if idempotency_key is not None and in_payload is not None and in_payload != idempotency_key:
             raise OutboxValidationError("idempotency_key", "differs from payload.idempotency_key")
+        minted = idempotency_key is None and in_payload is None
         key = _idempotency_key(idempotency_key if idempotency_key is not None else in_payload)
         envelope["idempotency_key"] = key
         body = _render(envelope, "payload")
@@ -392,5 +400,5 @@ def enqueue(
                                media_buy_id=optional_string(media_buy_id, "media_buy_id"),
                                account_id=optional_string(account_id, "account_id"),
                                subscriber_id=optional_string(subscriber_id, "subscriber_id"))})
-    connection = _connection(conn)
-    return store_bound(connection, row, producer_keys(connection, settings))
+    connection = _connection(conn, minted=minted)
+    return store_bound(connection, row, producer_keys(connection, settings), minted=minted)
