@@ -1,32 +1,37 @@
 """An enqueue's INSERT sent with the seller's next round trip instead of in one of its own.
 
 What an enqueue adds to the seller's transaction is mostly the INSERT's round trip to the
-server and back (docs/performance.md, "The seller's enqueue"). On a psycopg 3 connection
-(synchronous, not in autocommit) a message whose idempotency key the enqueue minted (so no
-stored message can hold it, and there is no twin to look up) is *parked* on the connection:
-rendered and validated at once, but sent with whatever the transaction sends next:
+server and back (docs/performance.md, "What an enqueue adds, against the SDK's"). On a
+psycopg 3 connection (synchronous, not in autocommit, not two-phase) a message whose
+idempotency key the enqueue minted (so no stored message can hold it, and there is no twin to
+look up) is *parked* on the connection: rendered and validated at once, but sent with
+whatever the transaction sends next:
 
 * the ``COMMIT``: the parked INSERTs and the ``COMMIT`` go in one pipeline, one round trip
-  for all of them (the common case: the enqueue is the transaction's last statement);
+  for all of them (the common case: the enqueue is the transaction's last statement). This
+  happens where SQLAlchemy commits (the dialect's ``do_commit``), after every ``commit``
+  listener has run, so a listener that refuses the commit still stops the rows;
 * any other statement: the parked INSERTs are sent first, in a round trip of their own, as
   without parking.
 
 So the server runs every statement in the order the seller issued them: a later read in the
 transaction sees the row, a savepoint rolled back drops it, and the message exists if and
-only if the transaction commits. A rollback drops what is still parked, unsent.
+only if the transaction commits. A rollback, an invalidated connection or one handed back to
+the pool drops what is still parked, unsent.
 
 What changes for the caller: the message's id comes back with the ``COMMIT``
-(:attr:`outbox.EnqueuedMessage.id` read sooner sends the parked rows at once, one round trip),
-and an INSERT that fails (nothing validation can foresee: a schema not migrated, the database
-going away) fails the statement it went with, usually the ``COMMIT``, which rolls the
-transaction back. docs/enqueue.md, "When the row is written", says so to sellers.
+(:attr:`outbox.EnqueuedMessage.id` read sooner, on the thread that enqueued, writes the row
+at once; read on another thread, it waits for the transaction to end), and an INSERT that
+fails (nothing validation can foresee: a schema not migrated, the database going away) fails
+the statement it went with, usually the ``COMMIT``, which rolls the transaction back.
+docs/enqueue.md, "When the row is written", says so to sellers.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from weakref import WeakKeyDictionary, WeakSet
 
@@ -41,41 +46,63 @@ __all__ = ["ParkedInsert", "park", "parking_connection"]
 
 _PARKED: WeakKeyDictionary[psycopg.Connection[Any], list["ParkedInsert"]] = WeakKeyDictionary()
 _HOOKED: WeakSet[Engine] = WeakSet()
+_COMMITTING: WeakSet[Dialect] = WeakSet()
 _HOOKING = threading.Lock()
 
 
 class ParkedInsert:
-    """One parked ``INSERT ... RETURNING id``: its rendering, and the id once it has run."""
+    """One parked ``INSERT ... RETURNING id``: what it sends, and the id once it has run."""
 
-    __slots__ = ("_sql", "_params", "_raw", "_cursor", "_id", "_dropped")
+    __slots__ = ("_statement", "_values", "_sql", "_raw", "_connection", "_owner", "_ended", "_cursor", "_id",
+                 "_dropped")
 
-    def __init__(self, sql: str, params: Mapping[str, Any], raw: psycopg.Connection[Any]) -> None:
-        self._sql, self._params, self._raw = sql, params, raw
+    def __init__(self, connection: Connection, raw: psycopg.Connection[Any], statement: ClauseElement,
+                 values: Mapping[str, Any]) -> None:
+        self._statement, self._values = statement, dict(values)
+        self._sql = _rendered(statement, connection.dialect, tuple(self._values))
+        self._raw, self._connection = raw, connection
+        self._owner = threading.get_ident()
+        self._ended = threading.Event()  # written or dropped
         self._cursor: psycopg.Cursor[Any] | None = None
         self._id: int | None = None
         self._dropped = False
 
     def id(self) -> int:
-        """The stored row's id: sends this connection's parked rows first if still parked."""
+        """The stored row's id. Still parked: on the thread that parked it, the row is written
+        now, through SQLAlchemy (its errors are SQLAlchemy's); on another thread, this waits
+        for the transaction to end (that thread owns the connection)."""
+        if not self._ended.is_set():
+            if threading.get_ident() == self._owner:
+                _write_now(self._connection, self._raw)
+            self._ended.wait()
         if self._id is None:
-            if self._dropped:
-                raise MessageRolledBack()
-            _send_parked(self._raw)
-        assert self._id is not None
+            raise MessageRolledBack()
         return self._id
 
     def written(self) -> int | None:
         """The id if the row has been written, without writing it."""
         return self._id
 
+    def rolled_back(self) -> bool:
+        return self._dropped
+
     def _send(self) -> None:
         self._cursor = self._raw.cursor()
-        self._cursor.execute(self._sql, self._params)
+        self._cursor.execute(self._sql, self._values)
 
     def _collect(self) -> None:
         assert self._cursor is not None
         with self._cursor as cursor:
             (self._id,) = cursor.fetchone() or (None,)
+        self._end()
+
+    def _drop(self) -> None:
+        self._dropped = True
+        self._end()
+
+    def _end(self) -> None:
+        self._connection = None  # type: ignore[assignment]  # nothing more to send on it
+        self._ended.set()
 
 
 def parking_connection(connection: Connection) -> psycopg.Connection[Any] | None:
@@ -98,7 +125,7 @@ def park(connection: Connection, raw: psycopg.Connection[Any], statement: Clause
     _hook(connection.engine)
     if not connection.in_transaction():
         connection.begin()  # as the INSERT's execution would have: the seller's commit is what sends it
-    parked = ParkedInsert(_rendered(statement, connection.dialect, tuple(values)), dict(values), raw)
+    parked = ParkedInsert(connection, raw, statement, values)
     _PARKED.setdefault(raw, []).append(parked)
     return parked
 
@@ -109,72 +136,99 @@ def _rendered(statement: ClauseElement, dialect: Dialect, columns: tuple[str, ..
 
 
 def _hook(engine: Engine) -> None:
-    """Listen once per engine: every statement, commit and rollback of its connections first
-    deals with what is parked on them, and so does the pool taking a connection back."""
+    """Hook an engine once: every statement of its connections first sends what is parked on
+    them, its dialect's commit carries it, and a rollback, an invalidation or the pool taking
+    a connection back drops it."""
     if engine in _HOOKED:
         return
     with _HOOKING:
         if engine in _HOOKED:
             return
         event.listen(engine, "before_cursor_execute", _before_statement)
-        event.listen(engine, "commit", _with_commit)
         event.listen(engine, "rollback", _drop)
-        event.listen(engine, "reset", _drop_on_reset)
+        event.listen(engine, "invalidate", _drop_on_pool_event)
+        event.listen(engine, "reset", _drop_on_pool_event)
+        if engine.dialect not in _COMMITTING:
+            engine.dialect.do_commit = _committing(engine.dialect.do_commit)  # type: ignore[method-assign]
+            _COMMITTING.add(engine.dialect)
         _HOOKED.add(engine)
 
 
-def _raw(connection: Connection) -> Any:
-    return connection.connection.driver_connection
+def _committing(plain_commit: Callable[[Any], None]) -> Callable[[Any], None]:
+    """The dialect's commit, carrying what is parked on the connection. SQLAlchemy calls it
+    after the ``commit`` listeners and raises its failure as a failed commit's."""
+
+    def do_commit(dbapi_connection: Any) -> None:
+        raw = dbapi_connection.driver_connection
+        if raw not in _PARKED:
+            plain_commit(dbapi_connection)
+            return
+        try:
+            _send_parked(raw, commit=True)
+        except psycopg.Error:
+            if not raw.broken:  # the COMMIT never ran: end the transaction as a failed COMMIT ends it
+                raw.rollback()
+            raise
+
+    return do_commit
 
 
 def _before_statement(connection: Connection, *_args: Any) -> None:
-    raw = _raw(connection)
+    raw = connection.connection.driver_connection
     if raw in _PARKED:
         _send_parked(raw)
+
+
+def _write_now(connection: Connection | None, raw: psycopg.Connection[Any]) -> None:
+    """Write what is parked on ``raw`` now, one statement each through SQLAlchemy, so that a
+    failure is raised, and a disconnect invalidates, as any statement's would."""
+    rows = _PARKED.pop(raw, [])
+    try:
+        for row in rows:
+            assert connection is not None
+            row._id = connection.execute(row._statement, row._values).scalar_one()
+            row._end()
+    except BaseException:
+        for row in rows:
+            if not row._ended.is_set():
+                row._drop()
+        raise
 
 
 def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False) -> None:
     """Send what is parked on ``raw`` in one pipeline, one round trip (with the ``COMMIT``
     last when ``commit``). If it fails, the transaction is aborted and the rows with it."""
-    parked = _PARKED.pop(raw, [])
+    rows = _PARKED.pop(raw, [])
     try:
         with raw.cursor() as cursor, raw.pipeline():
-            for row in parked:
+            for row in rows:
                 row._send()
             if commit:
                 cursor.execute("COMMIT", prepare=False)
-        for row in parked:
+        for row in rows:
             row._collect()
     except BaseException:
-        for row in parked:
-            row._dropped = True
+        for row in rows:
+            row._drop()
         raise
 
 
-def _with_commit(connection: Connection) -> None:
-    """The parked rows and the ``COMMIT`` in one pipeline. The driver then finds its
-    transaction ended and SQLAlchemy's own commit sends nothing. A failure is raised as
-    SQLAlchemy raises a failed commit's."""
-    raw = _raw(connection)
-    if raw in _PARKED:
-        try:
-            _send_parked(raw, commit=True)
-        except psycopg.Error as exc:
-            if not raw.broken:  # the COMMIT was never run: end the transaction as a failed one ends
-                raw.rollback()
-            connection._handle_dbapi_exception(exc, "COMMIT", None, None, None)  # raised as a failed commit's
-
-
 def _drop(connection: Connection) -> None:
-    _forget(_raw(connection))
+    # An invalidated connection has no driver connection to ask for (asking raises): what was
+    # parked on it was dropped when the pool invalidated it.
+    if not connection.invalidated:
+        _forget(connection.connection.driver_connection)
 
 
-def _drop_on_reset(dbapi_connection: Any, _record: Any, _state: Any) -> None:
-    """A connection going back to the pool (closed, or dropped without closing) ends its
-    transaction unsent: what is parked on it must never ride another transaction."""
+def _drop_on_pool_event(dbapi_connection: Any, _record: Any, _detail: Any) -> None:
+    """A connection invalidated (a disconnect, ``Connection.invalidate()``) or going back to
+    the pool (closed, or dropped without closing) ends its transaction unsent: what is parked
+    on it must never ride another transaction."""
     _forget(dbapi_connection)
 
 
 def _forget(raw: Any) -> None:
+    if raw is None:  # a pool event for a connection already closed
+        return
     for row in _PARKED.pop(raw, []):
-        row._dropped = True
+        row._drop()

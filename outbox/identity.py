@@ -67,22 +67,34 @@ class EnqueuedMessage:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"EnqueuedMessage is immutable: cannot set {name!r}")
 
-    def _fields(self) -> tuple[int, str, int | None]:
-        return self.id, self.idempotency_key, self.sequence_number
+    def _known(self) -> tuple[object, str, int | None]:
+        """What is known without writing a parked row: its id once written, else the parked row."""
+        stored = self._id.written() if isinstance(self._id, ParkedInsert) else self._id
+        return (self._id if stored is None else stored), self.idempotency_key, self.sequence_number
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, EnqueuedMessage) and self._fields() == other._fields()
+        if not isinstance(other, EnqueuedMessage):
+            return NotImplemented
+        return self._known() == other._known()
 
     def __hash__(self) -> int:
-        return hash(self._fields())
+        return hash((self.idempotency_key, self.sequence_number))  # the same before and after the COMMIT
+
+    def __copy__(self) -> EnqueuedMessage:
+        return self  # immutable
+
+    def __deepcopy__(self, _memo: Any) -> EnqueuedMessage:
+        return self
 
     def __reduce__(self) -> tuple[Any, tuple[int, str, int | None]]:
-        return EnqueuedMessage, self._fields()
+        return EnqueuedMessage, (self.id, self.idempotency_key, self.sequence_number)
 
     def __repr__(self) -> str:
-        stored = self._id.written() if isinstance(self._id, ParkedInsert) else self._id
-        return (f"EnqueuedMessage(id={'(with the COMMIT)' if stored is None else stored}, "
-                f"idempotency_key={self.idempotency_key!r}, sequence_number={self.sequence_number!r})")
+        stored = self._known()[0]
+        if isinstance(stored, ParkedInsert):
+            stored = "(rolled back)" if stored.rolled_back() else "(with the COMMIT)"
+        return (f"EnqueuedMessage(id={stored}, idempotency_key={self.idempotency_key!r}, "
+                f"sequence_number={self.sequence_number!r})")
 
 
 def _reject_constant(name: str) -> Any:

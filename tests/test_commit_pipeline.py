@@ -283,3 +283,127 @@ def test_an_orm_change_made_before_the_enqueue_leaves_the_commit_to_carry_the_ro
     assert at_commit == [] and stored.row(engine, record.id).task_id == "task_1"
     with engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT status FROM seller_tasks").scalar_one() == "completed"
+
+
+def _terminate(engine, pid: int) -> None:
+    with engine.connect() as other:
+        other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+
+@pytest.mark.parametrize("how", ["connection", "session"])
+def test_a_disconnect_in_a_transaction_stays_a_disconnect_once_the_engine_has_enqueued(seller_table, settings, how):
+    """An engine an enqueue has hooked raises a disconnect as SQLAlchemy does (invalidated),
+    not as the hook's own failure to reach the closed connection."""
+    engine = seller_table
+    with engine.begin() as conn:  # the engine's first enqueue hooks it
+        _task(conn, settings, task_id="first")
+    with pytest.raises(sqlalchemy.exc.OperationalError) as raised:
+        if how == "connection":
+            with engine.begin() as conn:
+                _terminate(engine, _backend(conn))
+                conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
+        else:
+            with Session(engine) as session, session.begin():
+                _terminate(engine, session.execute(text("SELECT pg_backend_pid()")).scalar_one())
+                session.execute(text("UPDATE seller_tasks SET status = 'completed' WHERE id = 1"))
+    assert raised.value.connection_invalidated
+    assert _count(engine) == 1
+
+
+def test_an_invalidated_connection_drops_what_was_parked_on_it(seller_table, settings):
+    engine = seller_table
+    with engine.connect() as conn:
+        record = _task(conn, settings)
+        conn.invalidate()
+        conn.rollback()
+    with pytest.raises(MessageRolledBack):
+        record.id
+    assert _count(engine) == 0 and "(rolled back)" in repr(record)
+
+
+def test_an_id_read_early_that_fails_raises_as_sqlalchemy_does(seller_table, settings):
+    engine = seller_table
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE outbox_messages ADD CONSTRAINT test_refuses_t_refused "
+                             "CHECK (tenant_id <> 't_refused') NOT VALID")
+    try:
+        with engine.connect() as conn:
+            record = _task(conn, settings, tenant_id="t_refused")
+            with pytest.raises(sqlalchemy.exc.IntegrityError, match="test_refuses_t_refused"):
+                record.id
+            conn.rollback()
+            pid = _backend(conn)
+            record = _task(conn, settings)
+            _terminate(engine, pid)
+            with pytest.raises(sqlalchemy.exc.OperationalError) as raised:
+                record.id
+            assert raised.value.connection_invalidated and conn.invalidated
+            conn.rollback()
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE outbox_messages DROP CONSTRAINT test_refuses_t_refused")
+    assert _count(engine) == 0
+
+
+def test_a_commit_listener_that_refuses_the_commit_stops_the_row_too(seller_table, settings):
+    """The row goes where SQLAlchemy commits, after every commit listener, even one the seller
+    registered after the engine's first enqueue."""
+    engine = seller_table
+    with engine.begin() as conn:  # the engine's first enqueue hooks it
+        _task(conn, settings, task_id="first")
+
+    class Refused(Exception):
+        pass
+
+    def refuse(_conn) -> None:
+        raise Refused()
+
+    event.listen(engine, "commit", refuse)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
+            record = _task(conn, settings)
+            with pytest.raises(Refused):
+                conn.commit()
+            conn.rollback()
+    finally:
+        event.remove(engine, "commit", refuse)
+    assert _count(engine) == 1 and "(rolled back)" in repr(record)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT status FROM seller_tasks").scalar_one() == "working"
+
+
+def test_an_id_read_on_another_thread_waits_for_the_commit(seller_table, settings):
+    """The connection is the enqueuing thread's: another thread never sends on it, it waits."""
+    import threading
+
+    engine = seller_table
+    for n in range(30):
+        with engine.connect() as conn:
+            record = _task(conn, settings, task_id=f"task_{n}")
+            seen: list[object] = []
+            reader = threading.Thread(target=lambda: seen.append(record.id))
+            reader.start()
+            reader.join(0.01)
+            assert reader.is_alive()  # waiting for the transaction to end
+            conn.commit()
+            reader.join(10)
+        assert seen == [stored.row(engine, record.id).id]
+    assert _count(engine) == 30
+
+
+def test_comparing_hashing_and_copying_a_record_send_nothing(seller_table, settings):
+    import copy
+
+    engine = seller_table
+    with engine.begin() as conn:  # an engine's first enqueue reads which columns the schema has
+        _task(conn, settings, task_id="first")
+    with engine.connect() as conn:
+        pid = _backend(conn)
+        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
+        record = _task(conn, settings)
+        assert record == record and record in {record} and copy.copy(record) is record
+        assert record != _task(conn, settings, task_id="other")
+        assert _last_statement(engine, pid).startswith("UPDATE seller_tasks")
+        conn.rollback()
+    assert record == record and record in {record} and _count(engine) == 1
