@@ -58,14 +58,26 @@ def seller_table(pg_engine):
         conn.exec_driver_sql("DROP TABLE seller_tasks")
 
 
-def test_the_insert_goes_with_the_commit_and_the_id_comes_back_with_it(seller_table, settings):
-    engine = seller_table
-    with engine.begin() as conn:  # an engine's first enqueue reads which columns the schema has
+@pytest.fixture
+def hooked(seller_table, settings):
+    """The seller's engine after its first enqueue, which reads which columns the schema has
+    and hooks the engine: one message stored."""
+    with seller_table.begin() as conn:
         _task(conn, settings, task_id="first")
+    return seller_table
+
+
+def _task_after_update(conn, settings, **overrides) -> tuple[int, outbox.EnqueuedMessage]:
+    """The seller's backend, and an enqueue after the seller's own UPDATE of its task."""
+    pid = _backend(conn)
+    conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
+    return pid, _task(conn, settings, **overrides)
+
+
+def test_the_insert_goes_with_the_commit_and_the_id_comes_back_with_it(hooked, settings):
+    engine = hooked
     with engine.connect() as conn:
-        pid = _backend(conn)
-        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
-        record = _task(conn, settings)
+        pid, record = _task_after_update(conn, settings)
         assert _last_statement(engine, pid).startswith("UPDATE seller_tasks")  # nothing sent for the enqueue yet
         assert "with the COMMIT" in repr(record)
         conn.commit()
@@ -81,12 +93,10 @@ def test_the_insert_goes_with_the_commit_and_the_id_comes_back_with_it(seller_ta
 
 
 @pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "plaintext"])
-def test_an_enqueue_first_on_a_connection_is_committed_with_it(seller_table, settings, sealed):
+def test_an_enqueue_first_on_a_connection_is_committed_with_it(hooked, settings, sealed):
     """Nothing else ran on the connection (and without a sealing key the enqueue reads nothing):
     the enqueue itself begins the transaction the commit ends."""
-    engine, settings = seller_table, settings if sealed else replace(settings, encryption_key=None)
-    with engine.begin() as conn:  # an engine's first enqueue reads which columns the schema has
-        _task(conn, settings, task_id="first")
+    engine, settings = hooked, settings if sealed else replace(settings, encryption_key=None)
     with engine.connect() as conn:
         record = _task(conn, settings)
         conn.commit()
@@ -252,7 +262,7 @@ def test_a_minted_key_found_taken_fails_the_commit_rather_than_drop_the_message(
     assert _count(engine) == 1
 
 
-def test_an_orm_change_made_before_the_enqueue_leaves_the_commit_to_carry_the_row_alone(seller_table, settings):
+def test_an_orm_change_made_before_the_enqueue_leaves_the_commit_to_carry_the_row_alone(hooked, settings):
     """The session's pending changes are flushed by the enqueue (as a query would flush
     them), so its commit has no flush whose statement the row would have to go before."""
     from sqlalchemy import Column, Integer, Text
@@ -266,9 +276,7 @@ def test_an_orm_change_made_before_the_enqueue_leaves_the_commit_to_carry_the_ro
         id = Column(Integer, primary_key=True)
         status = Column(Text)
 
-    engine = seller_table
-    with engine.begin() as conn:  # an engine's first enqueue reads which columns the schema has
-        _task(conn, settings, task_id="first")
+    engine = hooked
     at_commit: list[str] = []
 
     def sent(_conn, _cursor, statement, *_rest) -> None:
@@ -291,12 +299,10 @@ def _terminate(engine, pid: int) -> None:
 
 
 @pytest.mark.parametrize("how", ["connection", "session"])
-def test_a_disconnect_in_a_transaction_stays_a_disconnect_once_the_engine_has_enqueued(seller_table, settings, how):
+def test_a_disconnect_in_a_transaction_stays_a_disconnect_once_the_engine_has_enqueued(hooked, settings, how):
     """An engine an enqueue has hooked raises a disconnect as SQLAlchemy does (invalidated),
     not as the hook's own failure to reach the closed connection."""
-    engine = seller_table
-    with engine.begin() as conn:  # the engine's first enqueue hooks it
-        _task(conn, settings, task_id="first")
+    engine = hooked
     with pytest.raises(sqlalchemy.exc.OperationalError) as raised:
         if how == "connection":
             with engine.begin() as conn:
@@ -345,12 +351,10 @@ def test_an_id_read_early_that_fails_raises_as_sqlalchemy_does(seller_table, set
     assert _count(engine) == 0
 
 
-def test_a_commit_listener_that_refuses_the_commit_stops_the_row_too(seller_table, settings):
+def test_a_commit_listener_that_refuses_the_commit_stops_the_row_too(hooked, settings):
     """The row goes where SQLAlchemy commits, after every commit listener, even one the seller
     registered after the engine's first enqueue."""
-    engine = seller_table
-    with engine.begin() as conn:  # the engine's first enqueue hooks it
-        _task(conn, settings, task_id="first")
+    engine = hooked
 
     class Refused(Exception):
         pass
@@ -361,8 +365,7 @@ def test_a_commit_listener_that_refuses_the_commit_stops_the_row_too(seller_tabl
     event.listen(engine, "commit", refuse)
     try:
         with engine.connect() as conn:
-            conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
-            record = _task(conn, settings)
+            _, record = _task_after_update(conn, settings)
             with pytest.raises(Refused):
                 conn.commit()
             conn.rollback()
@@ -392,16 +395,12 @@ def test_an_id_read_on_another_thread_waits_for_the_commit(seller_table, setting
     assert _count(engine) == 30
 
 
-def test_comparing_hashing_and_copying_a_record_send_nothing(seller_table, settings):
+def test_comparing_hashing_and_copying_a_record_send_nothing(hooked, settings):
     import copy
 
-    engine = seller_table
-    with engine.begin() as conn:  # an engine's first enqueue reads which columns the schema has
-        _task(conn, settings, task_id="first")
+    engine = hooked
     with engine.connect() as conn:
-        pid = _backend(conn)
-        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
-        record = _task(conn, settings)
+        pid, record = _task_after_update(conn, settings)
         assert record == record and record in {record} and copy.copy(record) is record
         assert record != _task(conn, settings, task_id="other")
         assert _last_statement(engine, pid).startswith("UPDATE seller_tasks")
