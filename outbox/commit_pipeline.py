@@ -38,6 +38,7 @@ from weakref import WeakKeyDictionary, WeakSet
 import psycopg
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.engine import Dialect, TwoPhaseTransaction
+from sqlalchemy.engine.base import OptionEngineMixin
 from sqlalchemy.sql import ClauseElement
 
 from outbox.errors import MessageRolledBack
@@ -138,7 +139,11 @@ def _rendered(statement: ClauseElement, dialect: Dialect, columns: tuple[str, ..
 def _hook(engine: Engine) -> None:
     """Hook an engine once: every statement of its connections first sends what is parked on
     them, its dialect's commit carries it, and a rollback, an invalidation or the pool taking
-    a connection back drops it."""
+    a connection back drops it. An ``engine.execution_options(...)`` engine hooks the engine it
+    was made from, whose listeners its connections share: hooking each of them would add the
+    pool's listeners once per such engine (many, when one is made per request) for good."""
+    while isinstance(engine, OptionEngineMixin):
+        engine = engine._proxied
     if engine in _HOOKED:
         return
     with _HOOKING:

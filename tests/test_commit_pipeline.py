@@ -406,3 +406,29 @@ def test_comparing_hashing_and_copying_a_record_send_nothing(hooked, settings):
         assert _last_statement(engine, pid).startswith("UPDATE seller_tasks")
         conn.rollback()
     assert record == record and record in {record} and _count(engine) == 1
+
+
+def test_engines_made_with_execution_options_add_no_pool_listeners(hooked, settings):
+    """A seller making ``engine.execution_options(...)`` per request (a logging token, a schema
+    map) shares its engine's pool: enqueueing through each must not add the pool's listeners
+    once per such engine, for good (each checkin would call them all)."""
+    engine = hooked
+    resets, invalidates = len(engine.pool.dispatch.reset), len(engine.pool.dispatch.invalidate)
+    kept, records = [], []
+    for i in range(20):
+        per_request = engine.execution_options(logging_token=f"request-{i}")
+        kept.append(per_request)
+        with per_request.begin() as conn:
+            records.append(_task(conn, settings, task_id=f"task_{i}"))
+    assert (len(engine.pool.dispatch.reset), len(engine.pool.dispatch.invalidate)) == (resets, invalidates)
+    assert _count(engine) == 21 and all(isinstance(record.id, int) for record in records)
+    with kept[0].connect() as conn:  # still parked, still dropped by a rollback, still carried by a statement
+        dropped = _task(conn, settings, task_id="dropped")
+        conn.rollback()
+        seen = _task(conn, settings, task_id="seen")
+        assert conn.execute(select(func.count()).select_from(messages)
+                            .where(messages.c.task_id == "seen")).scalar_one() == 1
+        conn.commit()
+    with pytest.raises(MessageRolledBack):
+        dropped.id
+    assert isinstance(seen.id, int) and _count(engine) == 22
