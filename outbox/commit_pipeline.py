@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 from weakref import WeakKeyDictionary, WeakSet
@@ -61,7 +62,10 @@ class ParkedInsert:
                  values: Mapping[str, Any]) -> None:
         self._statement, self._values = statement, dict(values)
         self._sql = _rendered(statement, connection.dialect, tuple(self._values))
-        self._raw, self._connection = raw, connection
+        # Weakly: a connection its seller dropped unfinished must still go back to the pool
+        # (its transaction rolled back, what is parked dropped), not stay checked out, its
+        # transaction open, for as long as the record or the parked row is kept.
+        self._raw, self._connection = raw, weakref.ref(connection)
         self._owner = threading.get_ident()
         self._ended = threading.Event()  # written or dropped
         self._cursor: psycopg.Cursor[Any] | None = None
@@ -74,7 +78,7 @@ class ParkedInsert:
         for the transaction to end (that thread owns the connection)."""
         if not self._ended.is_set():
             if threading.get_ident() == self._owner:
-                _write_now(self._connection, self._raw)
+                _write_now(self._connection(), self._raw)
             self._ended.wait()
         if self._id is None:
             raise MessageRolledBack()
@@ -102,7 +106,7 @@ class ParkedInsert:
         self._end()
 
     def _end(self) -> None:
-        self._connection = None  # type: ignore[assignment]  # nothing more to send on it
+        self._connection = lambda: None  # nothing more to send on it
         self._ended.set()
 
 
@@ -187,10 +191,12 @@ def _before_statement(connection: Connection, *_args: Any) -> None:
 def _write_now(connection: Connection | None, raw: psycopg.Connection[Any]) -> None:
     """Write what is parked on ``raw`` now, one statement each through SQLAlchemy, so that a
     failure is raised, and a disconnect invalidates, as any statement's would."""
+    if connection is None:  # dropped unfinished by the seller: its transaction can never commit
+        _forget(raw)
+        return
     rows = _PARKED.pop(raw, [])
     try:
         for row in rows:
-            assert connection is not None
             row._id = connection.execute(row._statement, row._values).scalar_one()
             row._end()
     except BaseException:

@@ -432,3 +432,42 @@ def test_engines_made_with_execution_options_add_no_pool_listeners(hooked, setti
     with pytest.raises(MessageRolledBack):
         dropped.id
     assert isinstance(seen.id, int) and _count(engine) == 22
+
+
+def test_a_connection_dropped_unfinished_goes_back_to_the_pool_while_its_record_is_kept(pg_url, seller_table,
+                                                                                          settings):
+    """A connection the seller drops without closing it (an exception path) is rolled back and
+    returned by SQLAlchemy when collected; what is parked on it must not keep it checked out,
+    its transaction open and its row locks held, for as long as the record is kept."""
+    import gc
+    import warnings
+
+    from outbox.db import make_engine
+
+    engine = make_engine(pg_url, pool_size=1, max_overflow=0, pool_timeout=2)
+    pids = []
+
+    def request() -> outbox.EnqueuedMessage:
+        conn = engine.connect()
+        pids.append(_backend(conn))
+        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
+        return _task(conn, settings)  # the connection is dropped here, unfinished
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SQLAlchemy's and psycopg's about the connection dropped unclosed
+            record = request()
+            gc.collect()
+        assert engine.pool.checkedout() == 0
+        with engine.connect() as conn:  # the pool's one connection, its lock released
+            conn.exec_driver_sql("SET LOCAL lock_timeout = '2s'")
+            conn.exec_driver_sql("UPDATE seller_tasks SET status = 'other' WHERE id = 1")
+            conn.commit()
+        with pytest.raises(MessageRolledBack):
+            record.id
+        assert _count(seller_table) == 0
+    finally:
+        with seller_table.connect() as other:  # a session left open would hold the lock the teardown waits for
+            other.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                               "WHERE pid = ANY(:pids) AND state LIKE 'idle in transaction%'"), {"pids": pids})
+        engine.dispose()
