@@ -42,7 +42,7 @@ from sqlalchemy.engine import Dialect, TwoPhaseTransaction
 from sqlalchemy.engine.base import OptionEngineMixin
 from sqlalchemy.sql import ClauseElement
 
-from outbox.errors import MessageRolledBack
+from outbox.errors import MessageOutcomeUnknown, MessageRolledBack
 
 __all__ = ["ParkedInsert", "park", "parking_connection"]
 
@@ -56,7 +56,7 @@ class ParkedInsert:
     """One parked ``INSERT ... RETURNING id``: what it sends, and the id once it has run."""
 
     __slots__ = ("_statement", "_values", "_sql", "_raw", "_connection", "_owner", "_ended", "_cursor", "_id",
-                 "_dropped")
+                 "_dropped", "_unanswered")
 
     def __init__(self, connection: Connection, raw: psycopg.Connection[Any], statement: ClauseElement,
                  values: Mapping[str, Any]) -> None:
@@ -71,6 +71,7 @@ class ParkedInsert:
         self._cursor: psycopg.Cursor[Any] | None = None
         self._id: int | None = None
         self._dropped = False
+        self._unanswered = False  # went with a COMMIT whose answer was lost: written or not, unknown
 
     def id(self) -> int:
         """The stored row's id. Still parked: on the thread that parked it, the row is written
@@ -81,6 +82,8 @@ class ParkedInsert:
                 _write_now(self._connection(), self._raw)
             self._ended.wait()
         if self._id is None:
+            if self._unanswered:
+                raise MessageOutcomeUnknown(self._values["idempotency_key"])
             raise MessageRolledBack()
         return self._id
 
@@ -90,6 +93,10 @@ class ParkedInsert:
 
     def rolled_back(self) -> bool:
         return self._dropped
+
+    def outcome_unknown(self) -> bool:
+        """Whether it went with a ``COMMIT`` that got no answer (the connection was lost)."""
+        return self._unanswered
 
     def _send(self) -> None:
         self._cursor = self._raw.cursor()
@@ -103,6 +110,10 @@ class ParkedInsert:
 
     def _drop(self) -> None:
         self._dropped = True
+        self._end()
+
+    def _unanswer(self) -> None:
+        self._unanswered = True
         self._end()
 
     def _end(self) -> None:
@@ -208,8 +219,10 @@ def _write_now(connection: Connection | None, raw: psycopg.Connection[Any]) -> N
 
 def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False) -> None:
     """Send what is parked on ``raw`` in one pipeline, one round trip (with the ``COMMIT``
-    last when ``commit``). If it fails, the transaction is aborted and the rows with it."""
+    last when ``commit``). If it fails, the transaction is aborted and the rows with it, unless
+    the connection was lost with the ``COMMIT`` sent: then whether it took effect is unknown."""
     rows = _PARKED.pop(raw, [])
+    was_open = not (raw.closed or raw.broken)
     try:
         with raw.cursor() as cursor, raw.pipeline():
             for row in rows:
@@ -219,8 +232,9 @@ def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False) -> None:
         for row in rows:
             row._collect()
     except BaseException:
+        unanswered = commit and was_open and (raw.closed or raw.broken)
         for row in rows:
-            row._drop()
+            row._unanswer() if unanswered else row._drop()
         raise
 
 

@@ -41,5 +41,17 @@ class MessageRolledBack(RuntimeError):
         super().__init__("the message was rolled back with its transaction before it was written: it does not exist")
 
 
+class MessageOutcomeUnknown(RuntimeError):
+    """The message's id was asked for after the ``COMMIT`` its row went with got no answer (the
+    connection was lost): the message exists if and only if that ``COMMIT`` took effect, which
+    only the database can tell, by the message's idempotency key (docs/enqueue.md, "When the
+    row is written")."""
+
+    def __init__(self, idempotency_key: str) -> None:
+        self.idempotency_key = idempotency_key
+        super().__init__(f"the connection was lost before the COMMIT the message went with was answered: it exists "
+                         f"if that COMMIT took effect (look up idempotency_key {idempotency_key!r})")
+
+
 class ConfigurationError(ValueError):
     """A setting (environment variable or TOML key) with a value the outbox cannot use."""

@@ -92,7 +92,8 @@ class EnqueuedMessage:
     def __repr__(self) -> str:
         stored = self._known()[0]
         if isinstance(stored, ParkedInsert):
-            stored = "(rolled back)" if stored.rolled_back() else "(with the COMMIT)"
+            stored = ("(rolled back)" if stored.rolled_back() else
+                      "(COMMIT unanswered)" if stored.outcome_unknown() else "(with the COMMIT)")
         return (f"EnqueuedMessage(id={stored}, idempotency_key={self.idempotency_key!r}, "
                 f"sequence_number={self.sequence_number!r})")
 

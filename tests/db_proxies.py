@@ -136,3 +136,51 @@ class TurnCountingProxy(StallingProxy):
                 dst.sendall(data)
         except OSError:
             pass
+
+
+class CommitAnswerCuttingProxy(StallingProxy):
+    """Forwards as :class:`StallingProxy` does until :meth:`arm`; then, once a client has sent
+    a ``COMMIT``, the server's answer that completes it is not forwarded and that client's
+    connection is cut: the server committed, the client never hears so (an ambiguous commit)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.armed = threading.Event()
+        self.cut = threading.Event()
+        super().__init__(target)
+
+    def arm(self) -> None:
+        self.armed.set()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            self._sockets += [client, server]
+            committing = threading.Event()
+            threading.Thread(target=self._up, args=(client, server, committing), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, committing), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, committing: threading.Event) -> None:
+        try:
+            while data := client.recv(65536):
+                if self.armed.is_set() and b"COMMIT\x00" in data:
+                    committing.set()
+                server.sendall(data)
+        except OSError:
+            pass
+
+    def _down(self, server: socket.socket, client: socket.socket, committing: threading.Event) -> None:
+        try:
+            while data := server.recv(65536):
+                if committing.is_set() and b"COMMIT\x00" in data:  # the COMMIT's CommandComplete
+                    self.armed.clear()
+                    self.cut.set()
+                    client.shutdown(socket.SHUT_RDWR)
+                    client.close()
+                    return
+                client.sendall(data)
+        except OSError:
+            pass

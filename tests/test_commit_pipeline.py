@@ -471,3 +471,34 @@ def test_a_connection_dropped_unfinished_goes_back_to_the_pool_while_its_record_
             other.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                                "WHERE pid = ANY(:pids) AND state LIKE 'idle in transaction%'"), {"pids": pids})
         engine.dispose()
+
+
+def test_a_commit_whose_answer_is_lost_leaves_the_id_unknown_not_rolled_back(pg_url, seller_table, settings):
+    """The connection lost after the server committed, before the client heard so: the seller's
+    commit raises a disconnect (as it would without the outbox), and the record must not say
+    the message does not exist when it does (a seller enqueueing again would send it twice)."""
+    from outbox.db import make_engine
+    from tests.db_proxies import CommitAnswerCuttingProxy, stalling_proxy
+
+    with stalling_proxy(pg_url, CommitAnswerCuttingProxy) as (proxy, url):
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                record = _task(conn, settings)
+                proxy.arm()
+                with pytest.raises(sqlalchemy.exc.OperationalError) as raised:
+                    conn.commit()
+            assert proxy.cut.is_set() and raised.value.connection_invalidated
+        finally:
+            engine.dispose()
+    with seller_table.connect() as conn:
+        stored_id = conn.execute(select(messages.c.id)
+                                 .where(messages.c.idempotency_key == record.idempotency_key)).scalar_one()
+    assert isinstance(stored_id, int)  # the server committed it
+    with pytest.raises(Exception) as asked:
+        record.id
+    assert not isinstance(asked.value, MessageRolledBack), f"the stored message {stored_id} is said not to exist"
+    from outbox.errors import MessageOutcomeUnknown
+
+    assert isinstance(asked.value, MessageOutcomeUnknown) and asked.value.idempotency_key == record.idempotency_key
+    assert "(COMMIT unanswered)" in repr(record)
