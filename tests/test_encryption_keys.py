@@ -209,3 +209,85 @@ async def test_the_re_sealer_ends_with_the_outage_error_itself(monkeypatch):
             await asyncio.wait_for(resealer.run(), 30)
     finally:
         await engine.dispose()
+
+
+_STOP_DURING_A_TICK = """
+import asyncio, json, os, sqlite3, threading, time
+from contextlib import closing
+from sqlalchemy import event, text
+import outbox, outbox.db
+from outbox.keyset import LIVE_SECONDS
+from supervisor.cycle import resealer as resealer_module
+from supervisor.cycle.daemon import Daemon
+
+outbox.db.SQLITE_BUSY_TIMEOUT_MS = 5_000  # what a write behind a lock nobody releases waits (30 s shipped)
+HOLD = 0.5  # the tick's transaction takes this long: on a busy box, its wait for the lock and its fsync
+holding, armed = threading.Event(), threading.Event()
+
+def hold():
+    holding.set()
+    time.sleep(HOLD)
+    return 1
+
+original_tick_step, original_run = resealer_module.unopenable_rows, resealer_module.Resealer.run
+
+resealer_module.REFRESH_SECONDS = 0.2  # the pace of the ticks, not what is under test
+ticks = []
+
+async def unopenable_rows(conn, keys):  # inside the tick's transaction, its write lock taken
+    if armed.is_set():
+        ticks.append(1)
+        if len(ticks) == 3:  # past the daemon's first moments: the claimer sleeps, not in the way
+            await conn.execute(text("SELECT hold()"))
+    return await original_tick_step(conn, keys)
+
+async def run(self):  # the daemon's own ticks only, not the one while it starts
+    armed.set()
+    return await original_run(self)
+
+resealer_module.unopenable_rows, resealer_module.Resealer.run = unopenable_rows, run
+
+async def main():
+    daemon = Daemon(outbox.load_settings(env=dict(os.environ)))
+    event.listen(daemon.engine.sync_engine, "connect", lambda dbapi, _rec: dbapi.create_function("hold", 0, hold))
+    stop = asyncio.Event()
+    running = asyncio.create_task(daemon.run(stop))
+    while not holding.is_set():  # SIGTERM lands while the tick runs its statement
+        assert not running.done(), running
+        await asyncio.sleep(0.01)
+    stop.set()
+    told = time.monotonic()
+    await running
+    took = time.monotonic() - told
+    # read without a transaction: a write lock left behind must not fail the read itself
+    path = daemon.settings.database_url.removeprefix("sqlite:///")
+    with closing(sqlite3.connect(path)) as conn:
+        [(seen_at,)] = conn.execute("SELECT seen_at FROM outbox_encryption_readers WHERE reader_id = ?",
+                                    (daemon.daemon_id,)).fetchall()
+    print(json.dumps({"took": took, "still_live": seen_at > time.time() - LIVE_SECONDS}))
+
+asyncio.run(main())
+"""
+
+
+def test_a_stop_during_the_re_sealers_tick_leaves_at_once_and_stops_counting_on_sqlite(sqlite_url, tmp_path):
+    """SIGTERM during the daemon's tick (the one at start: ``outboxd run`` stopped right after
+    it started, on a busy box). Cancelled inside its statement, the tick had SQLAlchemy
+    discard its aiosqlite connection, which kept SQLite's write lock: the re-sealer's own
+    stop then waited out the busy timeout (30 s, a stop past the manifests' grace), failed,
+    and left the daemon counted as a live reader. Halted, it ends with its transaction."""
+    import json
+    import subprocess
+    import sys
+
+    from tests import procs
+
+    key_file, _ = procs.make_key(tmp_path)
+    env = procs.daemon_env(sqlite_url, key_file, poll_interval_seconds=30)  # the claimer idle: not in the way
+    env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", _STOP_DURING_A_TICK], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not outcome["still_live"], outcome  # the stop's forget() was written
+    assert outcome["took"] < 4.0, outcome  # the tick's 0.5 s, not the 5 s busy timeout

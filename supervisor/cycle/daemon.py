@@ -406,7 +406,11 @@ class Daemon:
             cut = loop.call_at(recorded_by, self.cutoff.cut)
             # Stop counting as an encryption-key reader while the other loops still run: their
             # transactions end normally, so on SQLite this write never waits behind the write
-            # lock of a loop cancelled in the middle of one (up to the busy timeout).
+            # lock of a loop cancelled in the middle of one (up to the busy timeout). The
+            # resealer itself is halted, not cancelled: it ends when the transaction under way
+            # (the tick at start, on a busy box) has, cancelled only if that outlasts the cut.
+            self.resealer.halt()
+            await asyncio.wait([resealer], timeout=max(recorded_by - loop.time(), 0.0))
             resealer.cancel()
             await asyncio.gather(resealer, return_exceptions=True)
             await self.resealer.stop()

@@ -26,7 +26,7 @@ from outbox.keyset import REFRESH_SECONDS, Ledger, adopt, forget, report, sealer
 from outbox.schema import messages
 from outbox.sealing import SealingKeys
 from supervisor.observe.metrics import Metrics
-from supervisor.cycle.outage import OutageGuard
+from supervisor.cycle.outage import OutageGuard, unless_stopped
 
 IDLE_SECONDS = 10.0  # between passes while nothing is left to re-seal
 BATCH = 200
@@ -78,6 +78,7 @@ class Resealer:
         self._resealed_under: str | None = None
         self._failed: list[int] = []
         self._backlog = False
+        self._halting = asyncio.Event()
         self.yielding: str | None = None  # why this daemon leaves claims to others (it lacks the agreed key)
 
     @property
@@ -133,7 +134,8 @@ class Resealer:
         keys = self.sealing
         if keys is None:
             return
-        count, failed = await reseal_all(self._engine, keys, still=lambda: self.agreed == keys.active_id)
+        count, failed = await reseal_all(self._engine, keys,
+                                         still=lambda: self.agreed == keys.active_id and not self._halting.is_set())
         if count:
             self._log.info("bodies.resealed", count=count, key_id=keys.active_id)
             self._metrics.bodies_resealed.inc(count)
@@ -147,9 +149,10 @@ class Resealer:
     async def run(self) -> None:
         """Report every ``REFRESH_SECONDS`` and re-seal beside it: a pass over a large table
         takes minutes, and a daemon that stopped reporting meanwhile would drop out of the
-        live readers, so a rotation could be agreed on a key it cannot open."""
+        live readers, so a rotation could be agreed on a key it cannot open. Returns once
+        :meth:`halt` is called, at the end of the transaction under way."""
         loops = [asyncio.create_task(self._report_forever()), asyncio.create_task(self._reseal_forever())]
-        try:  # neither returns: the first to fail raises its own error (DatabaseUnavailable past the bound)
+        try:  # until halted: the first to fail raises its own error (DatabaseUnavailable past the bound)
             done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
             for loop in done:
                 loop.result()
@@ -158,29 +161,45 @@ class Resealer:
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
 
+    def halt(self) -> None:
+        """End :meth:`run` between transactions, not in one (the daemon's stop, before :meth:`stop`).
+
+        A task cancelled while its statement runs has SQLAlchemy discard the connection; on
+        SQLite (aiosqlite) the write lock stays with that discarded connection, and every
+        later write, :meth:`stop`'s own first, waits out the busy timeout (30 s): a SIGTERM
+        during the tick at start held ``outboxd run`` that long."""
+        self._halting.set()
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until halted."""
+        try:
+            await asyncio.wait_for(self._halting.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
     async def _guarded(self, doing: str, work: Callable[[], Awaitable[object]]) -> bool:
-        """``work()`` under the outage guard (which waits before a retry): whether it succeeded."""
+        """``work()`` under the outage guard (which waits before a retry, or until halted): whether it succeeded."""
         try:
             await work()
         except Exception as exc:
-            await self._outage.failed(doing, exc)
+            await unless_stopped(self._halting, self._outage.failed(doing, exc))
             return False
         self._outage.ok(doing)
         return True
 
     async def _report_forever(self) -> None:
-        while True:
+        while not self._halting.is_set():
             if await self._guarded(REPORTING, self.tick):
-                await asyncio.sleep(REFRESH_SECONDS)
+                await self._pause(REFRESH_SECONDS)
 
     async def _reseal_forever(self) -> None:
         since_pass = IDLE_SECONDS
-        while True:
+        while not self._halting.is_set():
             if since_pass >= IDLE_SECONDS or self.agreed != self._resealed_under or self._backlog:
                 if not await self._guarded(RESEALING, self.pass_once):
                     continue
                 since_pass = 0.0
-            await asyncio.sleep(REFRESH_SECONDS)
+            await self._pause(REFRESH_SECONDS)
             since_pass += REFRESH_SECONDS
 
     async def stop(self) -> None:
