@@ -40,6 +40,7 @@ from supervisor.cycle.claimer import Claimer
 from supervisor.cycle.clock import ClockOffsetError, DatabaseClock
 from supervisor.cycle.completer import Completer
 from supervisor.observe.health import READY_CHECK_SECONDS, HealthServer
+from supervisor.cycle.halting import Halt
 from supervisor.cycle.job_runner import JobRunner
 from supervisor.keys.keyring import CHANNEL as KEYRING_CHANNEL
 from supervisor.keys.keyring_cache import CachedKeyring
@@ -131,8 +132,9 @@ class Daemon:
                                attempt=self._attempt(),
                                submit=self.completer.submit, outage=self.outage,
                                backlog=lambda: self.completer.backlog, yielding=lambda: self.resealer.yielding)
+        self.halt = Halt()  # the loops that write end between transactions at a stop (supervisor/cycle/halting.py)
         self.resealer = Resealer(self.engine, settings, reader_id=self.daemon_id, outage=self.outage,
-                                 metrics=self.metrics)
+                                 metrics=self.metrics, halt=self.halt)
         self.health = HealthServer(self.metrics, self._problem, self.keys.documents(),
                                    notice=lambda: "; ".join(self.keys.paused().values()) or None)
         self.log = structlog.get_logger("outboxd").bind(daemon_id=self.daemon_id)
@@ -345,22 +347,26 @@ class Daemon:
         gc.freeze()
         tracing.install(self.tracing)
         self.fanout.start()
+        halting = [  # the loops that write: halted at a stop, cancelled only past its time
+            asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
+                                            outage=self.outage, horizon_seconds=self.settings.retry_horizon_seconds,
+                                            settings=self.settings, event_sinks=self.event_sinks,
+                                            halt=self.halt).run(),
+                                name="maintenance"),
+            asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
+                                          horizon_seconds=self.settings.retry_horizon_seconds, metrics=self.metrics,
+                                          events_window=self.settings.operator_events_window_seconds,
+                                          halt=self.halt).run(),
+                                name="jobs"),
+            asyncio.create_task(self.resealer.run(), name="resealer"),
+        ]
         background: list[asyncio.Task[Any]] = [
             asyncio.create_task(self.completer.run(), name="completer"),
             asyncio.create_task(self.keys.run(self.engine, quiet=lambda: self.cutoff.is_cut), name="keyring"),
-            asyncio.create_task(Maintenance(self.engine, daemon_id=self.daemon_id, metrics=self.metrics,
-                                            outage=self.outage, horizon_seconds=self.settings.retry_horizon_seconds,
-                                            settings=self.settings, event_sinks=self.event_sinks).run(),
-                                name="maintenance"),
             asyncio.create_task(self._watch_clock(), name="clock"),
             asyncio.create_task(self._watch_schema(), name="schema"),
-            asyncio.create_task(JobRunner(self.engine, daemon_id=self.daemon_id, outage=self.outage,
-                                          horizon_seconds=self.settings.retry_horizon_seconds, metrics=self.metrics,
-                                          events_window=self.settings.operator_events_window_seconds).run(),
-                                name="jobs"),
+            *halting,
         ]
-        resealer = asyncio.create_task(self.resealer.run(), name="resealer")
-        background.append(resealer)
         handoff = None
         if self.settings.reporting_handoff:  # docs/reporting.md: the SDK's notifications, sent by outboxd
             handoff = asyncio.create_task(run_handoff(self.settings, self.metrics), name="reporting")
@@ -384,6 +390,7 @@ class Daemon:
             grace_ends = stopped_at + self.settings.shutdown_grace_seconds
             self.log.info("daemon.stopping", in_flight=self.claimer.in_flight)
             self.claimer.stop()
+            self.halt.set()
             if handoff is not None:
                 # A stop needs no more hand-off turns, and one stuck on an unanswering database
                 # takes psycopg up to 10 s to cancel (on the seller's pool, which the cut cannot
@@ -404,15 +411,14 @@ class Daemon:
                 failure = await self._record_the_rest(stopped_at, recorded_by) or failure
             # From here on nothing waits for the database past that time.
             cut = loop.call_at(recorded_by, self.cutoff.cut)
-            # Stop counting as an encryption-key reader while the other loops still run: their
-            # transactions end normally, so on SQLite this write never waits behind the write
-            # lock of a loop cancelled in the middle of one (up to the busy timeout). The
-            # resealer itself is halted, not cancelled: it ends when the transaction under way
-            # (the tick at start, on a busy box) has, cancelled only if that outlasts the cut.
-            self.resealer.halt()
-            await asyncio.wait([resealer], timeout=max(recorded_by - loop.time(), 0.0))
-            resealer.cancel()
-            await asyncio.gather(resealer, return_exceptions=True)
+            # The loops that write were halted as the stop began: each ends with the transaction
+            # under way, cancelled only if that outlasts the cut (on SQLite, a loop cancelled in
+            # a statement keeps the write lock, and every later write waits out the busy timeout).
+            # Then stop counting as an encryption-key reader.
+            await asyncio.wait(halting, timeout=max(recorded_by - loop.time(), 0.0))
+            for task in halting:
+                task.cancel()
+            await asyncio.gather(*halting, return_exceptions=True)
             await self.resealer.stop()
             for task in [stopper, *background]:
                 task.cancel()

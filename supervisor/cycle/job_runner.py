@@ -7,7 +7,6 @@ count as deaths, as expiries do (:func:`supervisor.cycle.maintenance.record_deat
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import structlog
@@ -18,6 +17,7 @@ from outbox import store
 from outbox.config import Settings
 from outbox.schema import PG_NOW, SQLITE_NOW, job_items, jobs, messages
 from outbox.schema import db_now as db_clock
+from supervisor.cycle.halting import Halt
 from supervisor.cycle.maintenance import count_deaths, record_deaths
 from supervisor.cycle.outage import OutageGuard
 from supervisor.observe.metrics import Metrics
@@ -86,8 +86,10 @@ class JobRunner:
     """The daemon's side: take a running job no live daemon holds, run it chunk by chunk."""
 
     def __init__(self, engine: AsyncEngine, *, daemon_id: str, horizon_seconds: int, outage: OutageGuard,
-                 metrics: Metrics | None = None, events_window: float = EVENTS_WINDOW_SECONDS) -> None:
+                 metrics: Metrics | None = None, events_window: float = EVENTS_WINDOW_SECONDS,
+                 halt: Halt | None = None) -> None:
         self._engine = engine
+        self._halt = halt or Halt()  # the daemon's stop (supervisor/cycle/halting.py)
         self._daemon_id = daemon_id
         self._outage = outage
         self._chunk = {"daemon_id": daemon_id, "horizon_seconds": horizon_seconds, "metrics": metrics,
@@ -111,18 +113,19 @@ class JobRunner:
         return None if row is None else (int(row.id), float(row.rate))
 
     async def run(self) -> None:
-        """Run jobs forever (cancelled at shutdown: the chunk under way commits or rolls back whole)."""
-        while True:
+        """Run jobs until halted, between chunks (the daemon's stop); a chunk cut short by a
+        cancel commits or rolls back whole."""
+        while not self._halt.is_set:
             try:
                 taken = await self._take()
                 handled = None if taken is None else await run_chunk(self._engine, taken[0], **self._chunk)
                 self._outage.ok("run recovery jobs")
             except Exception as exc:
-                await self._outage.failed("run recovery jobs", exc)
+                await self._halt.failed(self._outage, "run recovery jobs", exc)
                 continue
             if taken is None or handled is None:
-                await asyncio.sleep(IDLE_SECONDS)
+                await self._halt.pause(IDLE_SECONDS)
             elif handled == 0:
                 self._log.info("job.done", job_id=taken[0])
             else:
-                await asyncio.sleep(handled / taken[1])  # the job's rate: messages per second
+                await self._halt.pause(handled / taken[1])  # the job's rate: messages per second

@@ -29,6 +29,7 @@ from outbox.urls import public_url
 from sinks.attempt import DeliveryAttempt
 from supervisor.cycle import challenge
 from supervisor.observe import events, health_stats
+from supervisor.cycle.halting import Halt
 from supervisor.observe.metrics import ENDPOINT_WINDOW_SECONDS, Metrics
 from supervisor.cycle.outage import OutageGuard
 
@@ -151,9 +152,10 @@ async def vacuum_due_tables(engine: AsyncEngine, dead_rows: int = DUE_VACUUM_DEA
 
 class Maintenance:
     def __init__(self, engine: AsyncEngine, *, daemon_id: str, metrics: Metrics, outage: OutageGuard,
-                 horizon_seconds: int, settings: Settings | None = None, event_sinks: Sequence[events.Sink] = ()
-                 ) -> None:
+                 horizon_seconds: int, settings: Settings | None = None, event_sinks: Sequence[events.Sink] = (),
+                 halt: Halt | None = None) -> None:
         self._engine = engine
+        self._halt = halt or Halt()  # the daemon's stop (supervisor/cycle/halting.py)
         self._settings = settings or Settings()  # the operator events' destination and window
         self._event_sinks = event_sinks
         self._horizon = horizon_seconds
@@ -191,7 +193,7 @@ class Maintenance:
 
     async def _tick_forever(self) -> None:
         ticks = 0
-        while True:
+        while not self._halt.is_set:
             try:
                 rescued = await rescue_once(self._engine, self._daemon_id, self._settings.lease_seconds)
                 if rescued:
@@ -222,7 +224,7 @@ class Maintenance:
                                          self._settings.sink_timeout_seconds)
                 self._outage.ok("maintenance")
             except Exception as exc:
-                await self._outage.failed("maintenance", exc)
+                await self._halt.failed(self._outage, "maintenance", exc)
                 continue
             ticks += 1
-            await asyncio.sleep(RESCUE_INTERVAL)
+            await self._halt.pause(RESCUE_INTERVAL)

@@ -26,7 +26,8 @@ from outbox.keyset import REFRESH_SECONDS, Ledger, adopt, forget, report, sealer
 from outbox.schema import messages
 from outbox.sealing import SealingKeys
 from supervisor.observe.metrics import Metrics
-from supervisor.cycle.outage import OutageGuard, unless_stopped
+from supervisor.cycle.halting import Halt
+from supervisor.cycle.outage import OutageGuard
 
 IDLE_SECONDS = 10.0  # between passes while nothing is left to re-seal
 BATCH = 200
@@ -66,7 +67,7 @@ def held_line(count: int, who: str = "this process") -> str | None:
 
 class Resealer:
     def __init__(self, engine: AsyncEngine, settings: Settings, *, reader_id: str, outage: OutageGuard,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, halt: Halt | None = None) -> None:
         self._engine = engine
         self._keys = settings.sealing()
         self._reader_id = reader_id
@@ -78,7 +79,7 @@ class Resealer:
         self._resealed_under: str | None = None
         self._failed: list[int] = []
         self._backlog = False
-        self._halting = asyncio.Event()
+        self._halt = halt or Halt()  # the daemon's stop (supervisor/cycle/halting.py)
         self.yielding: str | None = None  # why this daemon leaves claims to others (it lacks the agreed key)
 
     @property
@@ -135,7 +136,7 @@ class Resealer:
         if keys is None:
             return
         count, failed = await reseal_all(self._engine, keys,
-                                         still=lambda: self.agreed == keys.active_id and not self._halting.is_set())
+                                         still=lambda: self.agreed == keys.active_id and not self._halt.is_set)
         if count:
             self._log.info("bodies.resealed", count=count, key_id=keys.active_id)
             self._metrics.bodies_resealed.inc(count)
@@ -150,7 +151,7 @@ class Resealer:
         """Report every ``REFRESH_SECONDS`` and re-seal beside it: a pass over a large table
         takes minutes, and a daemon that stopped reporting meanwhile would drop out of the
         live readers, so a rotation could be agreed on a key it cannot open. Returns once
-        :meth:`halt` is called, at the end of the transaction under way."""
+        halted (the daemon's stop), at the end of the transaction under way."""
         loops = [asyncio.create_task(self._report_forever()), asyncio.create_task(self._reseal_forever())]
         try:  # until halted: the first to fail raises its own error (DatabaseUnavailable past the bound)
             done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
@@ -161,45 +162,29 @@ class Resealer:
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
 
-    def halt(self) -> None:
-        """End :meth:`run` between transactions, not in one (the daemon's stop, before :meth:`stop`).
-
-        A task cancelled while its statement runs has SQLAlchemy discard the connection; on
-        SQLite (aiosqlite) the write lock stays with that discarded connection, and every
-        later write, :meth:`stop`'s own first, waits out the busy timeout (30 s): a SIGTERM
-        during the tick at start held ``outboxd run`` that long."""
-        self._halting.set()
-
-    async def _pause(self, seconds: float) -> None:
-        """Sleep ``seconds``, or until halted."""
-        try:
-            await asyncio.wait_for(self._halting.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
-
     async def _guarded(self, doing: str, work: Callable[[], Awaitable[object]]) -> bool:
         """``work()`` under the outage guard (which waits before a retry, or until halted): whether it succeeded."""
         try:
             await work()
         except Exception as exc:
-            await unless_stopped(self._halting, self._outage.failed(doing, exc))
+            await self._halt.failed(self._outage, doing, exc)
             return False
         self._outage.ok(doing)
         return True
 
     async def _report_forever(self) -> None:
-        while not self._halting.is_set():
+        while not self._halt.is_set:
             if await self._guarded(REPORTING, self.tick):
-                await self._pause(REFRESH_SECONDS)
+                await self._halt.pause(REFRESH_SECONDS)
 
     async def _reseal_forever(self) -> None:
         since_pass = IDLE_SECONDS
-        while not self._halting.is_set():
+        while not self._halt.is_set:
             if since_pass >= IDLE_SECONDS or self.agreed != self._resealed_under or self._backlog:
                 if not await self._guarded(RESEALING, self.pass_once):
                     continue
                 since_pass = 0.0
-            await self._pause(REFRESH_SECONDS)
+            await self._halt.pause(REFRESH_SECONDS)
             since_pass += REFRESH_SECONDS
 
     async def stop(self) -> None:
