@@ -16,8 +16,9 @@ whatever the transaction sends next:
 
 So the server runs every statement in the order the seller issued them: a later read in the
 transaction sees the row, a savepoint rolled back drops it, and the message exists if and
-only if the transaction commits. A rollback, an invalidated connection or one handed back to
-the pool drops what is still parked, unsent.
+only if the transaction commits. What is parked follows the driver connection's transaction
+wherever it ends: a rollback (SQLAlchemy's, or the pool's as it takes a connection back) or
+an invalidated connection drops it unsent; a pool that commits on return sends it.
 
 What changes for the caller: the message's id comes back with the ``COMMIT``
 (:attr:`outbox.EnqueuedMessage.id` read sooner, on the thread that enqueued, writes the row
@@ -48,7 +49,7 @@ __all__ = ["ParkedInsert", "park", "parking_connection"]
 
 _PARKED: WeakKeyDictionary[psycopg.Connection[Any], list["ParkedInsert"]] = WeakKeyDictionary()
 _HOOKED: WeakSet[Engine] = WeakSet()
-_COMMITTING: WeakSet[Dialect] = WeakSet()
+_WRAPPED: WeakSet[Dialect] = WeakSet()
 _HOOKING = threading.Lock()
 
 
@@ -153,10 +154,12 @@ def _rendered(statement: ClauseElement, dialect: Dialect, columns: tuple[str, ..
 
 def _hook(engine: Engine) -> None:
     """Hook an engine once: every statement of its connections first sends what is parked on
-    them, its dialect's commit carries it, and a rollback, an invalidation or the pool taking
-    a connection back drops it. An ``engine.execution_options(...)`` engine hooks the engine it
-    was made from, whose listeners its connections share: hooking each of them would add the
-    pool's listeners once per such engine (many, when one is made per request) for good."""
+    them, its dialect's commit carries it, its dialect's rollback (SQLAlchemy's, or the pool's
+    as it takes a connection back) and an invalidation drop it. So what is parked follows the
+    driver connection's transaction wherever it ends, a pool that commits on return included.
+    An ``engine.execution_options(...)`` engine hooks the engine it was made from, whose
+    listeners its connections share: hooking each of them would add the pool's listener once
+    per such engine (many, when one is made per request) for good."""
     while isinstance(engine, OptionEngineMixin):
         engine = engine._proxied
     if engine in _HOOKED:
@@ -165,12 +168,12 @@ def _hook(engine: Engine) -> None:
         if engine in _HOOKED:
             return
         event.listen(engine, "before_cursor_execute", _before_statement)
-        event.listen(engine, "rollback", _drop)
-        event.listen(engine, "invalidate", _drop_on_pool_event)
-        event.listen(engine, "reset", _drop_on_pool_event)
-        if engine.dialect not in _COMMITTING:
-            engine.dialect.do_commit = _committing(engine.dialect.do_commit)  # type: ignore[method-assign]
-            _COMMITTING.add(engine.dialect)
+        event.listen(engine, "invalidate", _drop_on_invalidate)
+        dialect = engine.dialect
+        if dialect not in _WRAPPED:
+            dialect.do_commit = _committing(dialect.do_commit)  # type: ignore[method-assign]
+            dialect.do_rollback = _rolling_back(dialect.do_rollback)  # type: ignore[method-assign]
+            _WRAPPED.add(dialect)
         _HOOKED.add(engine)
 
 
@@ -191,6 +194,16 @@ def _committing(plain_commit: Callable[[Any], None]) -> Callable[[Any], None]:
             raise
 
     return do_commit
+
+
+def _rolling_back(plain_rollback: Callable[[Any], None]) -> Callable[[Any], None]:
+    """The dialect's rollback, dropping what is parked on the connection first."""
+
+    def do_rollback(dbapi_connection: Any) -> None:
+        _forget(dbapi_connection.driver_connection)
+        plain_rollback(dbapi_connection)
+
+    return do_rollback
 
 
 def _before_statement(connection: Connection, *_args: Any) -> None:
@@ -238,17 +251,9 @@ def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False) -> None:
         raise
 
 
-def _drop(connection: Connection) -> None:
-    # An invalidated connection has no driver connection to ask for (asking raises): what was
-    # parked on it was dropped when the pool invalidated it.
-    if not connection.invalidated:
-        _forget(connection.connection.driver_connection)
-
-
-def _drop_on_pool_event(dbapi_connection: Any, _record: Any, _detail: Any) -> None:
-    """A connection invalidated (a disconnect, ``Connection.invalidate()``) or going back to
-    the pool (closed, or dropped without closing) ends its transaction unsent: what is parked
-    on it must never ride another transaction."""
+def _drop_on_invalidate(dbapi_connection: Any, _record: Any, _exception: Any) -> None:
+    """A connection invalidated (a disconnect, ``Connection.invalidate()``) is closed: its
+    transaction ended unsent, and what is parked on it with it."""
     _forget(dbapi_connection)
 
 

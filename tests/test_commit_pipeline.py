@@ -502,3 +502,36 @@ def test_a_commit_whose_answer_is_lost_leaves_the_id_unknown_not_rolled_back(pg_
 
     assert isinstance(asked.value, MessageOutcomeUnknown) and asked.value.idempotency_key == record.idempotency_key
     assert "(COMMIT unanswered)" in repr(record)
+
+
+@pytest.mark.parametrize("reset", ["rollback", "commit"])
+def test_a_connection_dropped_unfinished_ends_with_its_rows_as_the_pool_ends_its_transaction(pg_url, seller_table,
+                                                                                              settings, reset):
+    """The pool rolls back (the default) or commits a connection dropped without closing:
+    the parked row goes the way of the seller's UPDATE in the same transaction."""
+    import gc
+    import warnings
+
+    from outbox.db import make_engine
+
+    engine = make_engine(pg_url, pool_size=1, max_overflow=0, pool_reset_on_return=reset)
+
+    def request() -> outbox.EnqueuedMessage:
+        conn = engine.connect()
+        return _task_after_update(conn, settings)[1]  # the connection is dropped here, unfinished
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SQLAlchemy's and psycopg's about the connection dropped unclosed
+            record = request()
+            gc.collect()
+        with engine.connect() as conn:
+            status = conn.exec_driver_sql("SELECT status FROM seller_tasks").scalar_one()
+    finally:
+        engine.dispose()
+    if reset == "commit":
+        assert status == "completed" and stored.row(seller_table, record.id).task_id == "task_1"
+    else:
+        assert status == "working" and _count(seller_table) == 0
+        with pytest.raises(MessageRolledBack):
+            record.id
