@@ -408,11 +408,13 @@ def test_comparing_hashing_and_copying_a_record_send_nothing(hooked, settings):
     assert record == record and record in {record} and _count(engine) == 1
 
 
-def test_engines_made_with_execution_options_add_no_pool_listeners(hooked, settings):
+def test_enqueueing_adds_no_event_listener_to_the_seller_s_engines(hooked, settings):
     """A seller making ``engine.execution_options(...)`` per request (a logging token, a schema
-    map) shares its engine's pool: enqueueing through each must not add the pool's listeners
-    once per such engine, for good (each checkin would call them all)."""
+    map) shares its engine's pool: enqueueing through each must add no pool listener per such
+    engine, for good (each checkin would call them all). Nor any engine listener: one has
+    SQLAlchemy dispatch every event of every statement (30 µs more per transaction)."""
     engine = hooked
+    assert not engine._has_events and not engine.dispatch.before_cursor_execute and not engine.dispatch.commit
     resets, invalidates = len(engine.pool.dispatch.reset), len(engine.pool.dispatch.invalidate)
     kept, records = [], []
     for i in range(20):
