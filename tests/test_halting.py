@@ -68,3 +68,40 @@ def test_a_halted_loop_ends_after_the_transaction_under_way(sqlite_url, monkeypa
 
     took = asyncio.run(run())
     assert took < HOLD_SECONDS + 2, f"{name} took {took:.1f} s to end after the halt"
+
+
+def test_a_halted_maintenance_loop_does_not_wait_for_a_slow_operator_event_sink(sqlite_url):
+    """The tick's last step calls the operator event sinks, after its transaction: no write
+    is under way, so a halt must not wait for them (up to the sink timeout per event and
+    sink; the daemon's stop waited out its whole grace, 15 s by default)."""
+    from outbox.config import Settings
+    from outbox.migrate import upgrade
+    from outbox.db import make_engine
+    from supervisor.observe import events
+
+    upgrade(make_engine(sqlite_url))
+    engine = make_async_engine(sqlite_url)
+    halt = Halt()
+    called = asyncio.Event()
+
+    async def slow_sink(event) -> None:
+        called.set()
+        await asyncio.sleep(10)
+
+    async def run() -> float:
+        try:
+            await events.clock_skewed(engine, "an event to publish")
+            loop = Maintenance(engine, daemon_id="d1", metrics=Metrics(), outage=OutageGuard(5),
+                               horizon_seconds=86_400, settings=Settings(sink_timeout_seconds=10),
+                               event_sinks=[slow_sink], halt=halt)
+            task = asyncio.create_task(loop.run())
+            await asyncio.wait_for(called.wait(), 30)
+            halt.set()
+            started = time.monotonic()
+            await asyncio.wait_for(task, 90)
+            return time.monotonic() - started
+        finally:
+            await engine.dispose()
+
+    took = asyncio.run(run())
+    assert took < 2, f"maintenance took {took:.1f} s to end after the halt"

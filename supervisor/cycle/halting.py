@@ -38,6 +38,10 @@ class Halt:
         except asyncio.TimeoutError:
             pass
 
+    @property
+    def event(self) -> asyncio.Event:
+        return self._event
+
     async def failed(self, outage: OutageGuard, doing: str, exc: BaseException) -> None:
         """The outage guard's wait after a failure (its back-off), cut short when halted."""
         await unless_stopped(self._event, outage.failed(doing, exc))

@@ -184,7 +184,7 @@ def load_sinks(paths: Sequence[str]) -> list[Sink]:
 
 
 async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[Sink],
-                      timeout: float = 5.0) -> int:
+                      timeout: float = 5.0, halted: asyncio.Event | None = None) -> int:
     """Publish due events: enqueue each to the operator URL and mark it, in one transaction;
     then call the sinks. Replicas take disjoint rows (SKIP LOCKED); each row is published once."""
     e = operator_events.c
@@ -216,8 +216,23 @@ async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[S
         _log.warning("operator_event", event_id=event.id, kind=event.kind, tenant_id=event.tenant_id,
                      origin=event.origin, count=event.count)
         for sink in sinks:
-            await _call(sink, event.as_dict(), timeout)
+            if halted is None:
+                await _call(sink, event.as_dict(), timeout)
+            elif halted.is_set() or not await _unless_stopped(halted, _called(sink, event.as_dict(), timeout)):
+                # the daemon's stop: no transaction is under way, so nothing waits on the sinks
+                _log.warning("operator_event.sink_skipped_at_stop", event_id=event.id, kind=event.kind)
     return len(events)
+
+
+async def _unless_stopped(halted: asyncio.Event, work: Any) -> Any:
+    from supervisor.cycle.outage import unless_stopped  # here: supervisor.cycle imports this module
+
+    return await unless_stopped(halted, work)
+
+
+async def _called(sink: Sink, event: dict[str, Any], timeout: float) -> bool:
+    await _call(sink, event, timeout)
+    return True
 
 
 async def _call(sink: Sink, event: dict[str, Any], timeout: float) -> None:
