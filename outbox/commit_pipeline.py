@@ -40,6 +40,7 @@ from weakref import WeakKeyDictionary, WeakSet
 import psycopg
 from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect, TwoPhaseTransaction
+from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.sql import ClauseElement
 
 from outbox.errors import MessageOutcomeUnknown, MessageRolledBack
@@ -166,7 +167,10 @@ def _hook(dialect: Dialect) -> None:
             return
         for name in ("do_execute", "do_executemany", "do_execute_no_params"):
             setattr(dialect, name, _sending_first(getattr(dialect, name)))
-        dialect.do_commit = _committing(dialect.do_commit)  # type: ignore[method-assign]
+        # A dialect class with a commit of its own (a seller's subclass: an audit, a metric) has
+        # it called, after the rows' round trip; only the DBAPI's plain commit is pipelined.
+        pipelined = type(dialect).do_commit is DefaultDialect.do_commit
+        dialect.do_commit = _committing(dialect.do_commit, pipelined)  # type: ignore[method-assign]
         for name in ("do_rollback", "do_close", "do_terminate"):
             setattr(dialect, name, _dropping_first(getattr(dialect, name)))
         _WRAPPED.add(dialect)
@@ -189,13 +193,16 @@ def _sending_first(plain: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def _committing(plain_commit: Callable[[Any], None]) -> Callable[[Any], None]:
-    """The dialect's commit, carrying what is parked on the connection. SQLAlchemy calls it
-    after the ``commit`` listeners and raises its failure as a failed commit's."""
+def _committing(plain_commit: Callable[[Any], None], pipelined: bool) -> Callable[[Any], None]:
+    """The dialect's commit, carrying what is parked on the connection (``pipelined``: in one
+    round trip with the ``COMMIT``). SQLAlchemy calls it after the ``commit`` listeners and
+    raises its failure as a failed commit's."""
 
     def do_commit(dbapi_connection: Any) -> None:
         raw = _driver(dbapi_connection)
-        if raw not in _PARKED:
+        if raw not in _PARKED or not pipelined:
+            if raw in _PARKED:
+                _send_parked(raw)
             plain_commit(dbapi_connection)
             return
         try:

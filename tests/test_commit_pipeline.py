@@ -13,7 +13,10 @@ from dataclasses import replace
 
 import pytest
 import sqlalchemy.exc
-from sqlalchemy import event, func, select, text
+from sqlalchemy import create_engine, event, func, select, text
+from sqlalchemy.dialects import registry
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 import outbox
@@ -537,3 +540,27 @@ def test_a_connection_dropped_unfinished_ends_with_its_rows_as_the_pool_ends_its
         assert status == "working" and _count(seller_table) == 0
         with pytest.raises(MessageRolledBack):
             record.id
+
+
+class AuditedDialect(PGDialect_psycopg):
+    """A seller's dialect with a commit of its own (an audit, a retry, a metric)."""
+
+    supports_statement_cache = True
+    commits: list[str] = []
+
+    def do_commit(self, dbapi_connection) -> None:
+        self.commits.append("commit")
+        super().do_commit(dbapi_connection)
+
+
+def test_a_dialect_with_a_commit_of_its_own_has_it_called(pg_url, seller_table, settings):
+    registry.register("postgresql.audited", __name__, "AuditedDialect")
+    engine = create_engine(make_url(pg_url).set(drivername="postgresql+audited"))
+    try:
+        with engine.connect() as conn:
+            _, record = _task_after_update(conn, settings)
+            conn.commit()
+        assert AuditedDialect.commits == ["commit"]
+        assert stored.row(seller_table, record.id).task_id == "task_1"
+    finally:
+        engine.dispose()
