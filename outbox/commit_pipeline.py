@@ -187,7 +187,8 @@ def _sending_first(plain: Callable[..., None]) -> Callable[..., None]:
     def run(cursor: Any, *args: Any) -> None:
         raw = cursor.connection
         if raw in _PARKED:
-            _send_parked(raw)
+            context = args[-1]  # SQLAlchemy's execution context, last of every do_execute* call
+            _send_parked(raw, invalidate=lambda: context.root_connection.invalidate())
         plain(cursor, *args)
 
     return run
@@ -202,13 +203,13 @@ def _committing(plain_commit: Callable[[Any], None], pipelined: bool) -> Callabl
         raw = _driver(dbapi_connection)
         if raw not in _PARKED or not pipelined:
             if raw in _PARKED:
-                _send_parked(raw)
+                _send_parked(raw, invalidate=dbapi_connection.invalidate)
             plain_commit(dbapi_connection)
             return
         try:
-            _send_parked(raw, commit=True)
+            _send_parked(raw, commit=True, invalidate=dbapi_connection.invalidate)
         except psycopg.Error:
-            if not raw.broken:  # the COMMIT never ran: end the transaction as a failed COMMIT ends it
+            if not (raw.broken or raw.closed):  # the COMMIT never ran: end the transaction as a failed one ends
                 raw.rollback()
             raise
 
@@ -243,10 +244,13 @@ def _write_now(connection: Connection | None, raw: psycopg.Connection[Any]) -> N
         raise
 
 
-def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False) -> None:
+def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False,
+                 invalidate: Callable[[], object] = lambda: None) -> None:
     """Send what is parked on ``raw`` in one pipeline, one round trip (with the ``COMMIT``
     last when ``commit``). If it fails, the transaction is aborted and the rows with it, unless
-    the connection was lost with the ``COMMIT`` sent: then whether it took effect is unknown."""
+    the connection was lost with the ``COMMIT`` sent: then whether it took effect is unknown.
+    A connection this leaves unusable is closed and ``invalidate``-d (SQLAlchemy's own: the
+    pool must not hand it out again)."""
     rows = _PARKED.pop(raw, [])
     was_open = not (raw.closed or raw.broken)
     try:
@@ -257,10 +261,20 @@ def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False) -> None:
                 cursor.execute("COMMIT", prepare=False)
         for row in rows:
             row._collect()
-    except BaseException:
+    except BaseException as exc:
+        interrupt = None
+        if not raw.closed and raw.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+            # Interrupted inside the pipeline (a signal's exception, Ctrl-C): its answers unread,
+            # the connection cannot leave pipeline mode, and nothing else can run on it. Closed,
+            # it is discarded as a lost connection is, and the COMMIT, if sent, unanswered.
+            raw.close()
+            invalidate()
+            interrupt = exc.__context__ if isinstance(exc, psycopg.Error) else None
         unanswered = commit and was_open and (raw.closed or raw.broken)
         for row in rows:
             row._unanswer() if unanswered else row._drop()
+        if interrupt is not None and not isinstance(interrupt, psycopg.Error):
+            raise interrupt  # itself, not the driver's failure to leave pipeline mode over it
         raise
 
 

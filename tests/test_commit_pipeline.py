@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import aio
 from outbox.db import make_async_engine
-from outbox.errors import MessageRolledBack
+from outbox.errors import MessageOutcomeUnknown, MessageRolledBack
 from outbox.schema import messages
 from tests import stored
 
@@ -564,3 +564,38 @@ def test_a_dialect_with_a_commit_of_its_own_has_it_called(pg_url, seller_table, 
         assert stored.row(seller_table, record.id).task_id == "task_1"
     finally:
         engine.dispose()
+
+
+def test_an_interrupt_inside_the_commit_s_pipeline_discards_the_connection(hooked, settings):
+    """A signal's exception (Ctrl-C, a service manager's SIGTERM turned into one) landing while
+    the pipeline waits for its answers left the connection in pipeline mode, busy: every
+    later statement on it, the pool's own rollback included, failed."""
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_args) -> None:
+        raise Interrupted()
+
+    engine = hooked
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE FUNCTION test_slow_insert() RETURNS trigger LANGUAGE plpgsql AS "
+                             "$$ BEGIN PERFORM pg_sleep(0.5); RETURN NEW; END $$")
+        conn.exec_driver_sql("CREATE TRIGGER test_slow_insert BEFORE INSERT ON outbox_messages "
+                             "FOR EACH ROW EXECUTE FUNCTION test_slow_insert()")
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with pytest.raises(Interrupted):
+            with engine.connect() as conn:
+                _, record = _task_after_update(conn, settings)
+                signal.setitimer(signal.ITIMER_REAL, 0.2)  # while the commit's pipeline waits
+                conn.commit()
+        with pytest.raises(MessageOutcomeUnknown):
+            record.id
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        with engine.begin() as conn:  # the pool goes on with a connection that works
+            conn.exec_driver_sql("DROP TRIGGER test_slow_insert ON outbox_messages")
+            conn.exec_driver_sql("DROP FUNCTION test_slow_insert()")
