@@ -300,3 +300,36 @@ def test_a_stop_signal_ends_the_console_gracefully_with_status_0(pg_url, tmp_pat
 
     assert procs.wait_until(answers, 30)
     assert procs.stop(proc, sig) == 0, (tmp_path / "ui.log").read_text()[-500:]
+
+
+_SIGNAL_IN_A_WEAKREF_CALLBACK = """
+import os, signal, sys, time, weakref
+from supervisor.ui.server import _stop_signals_end_quietly
+
+_stop_signals_end_quietly()
+
+class Thing:
+    pass
+
+def callback(_ref):  # where Python prints and ignores an exception: a weakref callback
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+
+thing = Thing()
+ref = weakref.ref(thing, callback)
+del thing
+print("the stop was swallowed", flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_stop_signal_landing_in_a_weakref_callback_still_ends_the_console():
+    """The stop handlers end the process at once: a SystemExit raised by a handler inside a
+    weakref callback (SQLAlchemy's and the standard library's run while the console starts)
+    was printed and ignored, and the console went on to serve."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_IN_A_WEAKREF_CALLBACK], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout) == (0, ""), done.stdout + done.stderr

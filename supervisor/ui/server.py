@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import secrets
 import signal
 import socket
@@ -57,9 +58,19 @@ def _stop_signals_end_quietly() -> None:
     and a signal that comes before uvicorn has taken them over (the console starting, nothing
     to drain yet). SIGHUP stops it as SIGTERM does."""
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _sig, _frame: sys.exit(0))
+        signal.signal(sig, _exit_now)
     # A closed terminal stops it as SIGTERM does (uvicorn itself handles only SIGTERM and SIGINT).
     signal.signal(signal.SIGHUP, lambda _sig, _frame: signal.raise_signal(signal.SIGTERM))
+
+
+def _exit_now(_sig: int, _frame: object) -> None:
+    """End the process with status 0 at once. Not by raising ``SystemExit``: a handler's
+    exception lands wherever the main thread is, and inside a weakref callback or a
+    ``__del__`` Python prints it and goes on (seen: a stop while the console started was
+    swallowed so, and the console served on)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def _listen(host: str, port: int) -> socket.socket:
