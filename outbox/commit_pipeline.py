@@ -50,13 +50,14 @@ __all__ = ["ParkedInsert", "park", "parking_connection"]
 _PARKED: WeakKeyDictionary[psycopg.Connection[Any], list["ParkedInsert"]] = WeakKeyDictionary()
 _WRAPPED: WeakSet[Dialect] = WeakSet()
 _HOOKING = threading.Lock()
+ROLLED_BACK, UNANSWERED = "rolled back", "COMMIT unanswered"
 
 
 class ParkedInsert:
     """One parked ``INSERT ... RETURNING id``: what it sends, and the id once it has run."""
 
     __slots__ = ("_statement", "_values", "_sql", "_raw", "_connection", "_owner", "_ended", "_cursor", "_id",
-                 "_dropped", "_unanswered")
+                 "_fate")
 
     def __init__(self, connection: Connection, raw: psycopg.Connection[Any], statement: ClauseElement,
                  values: Mapping[str, Any]) -> None:
@@ -70,8 +71,7 @@ class ParkedInsert:
         self._ended = threading.Event()  # written or dropped
         self._cursor: psycopg.Cursor[Any] | None = None
         self._id: int | None = None
-        self._dropped = False
-        self._unanswered = False  # went with a COMMIT whose answer was lost: written or not, unknown
+        self._fate: str | None = None  # why it has no id: "rolled back", or "COMMIT unanswered" (written or not)
 
     def id(self) -> int:
         """The stored row's id. Still parked: on the thread that parked it, the row is written
@@ -82,21 +82,15 @@ class ParkedInsert:
                 _write_now(self._connection(), self._raw)
             self._ended.wait()
         if self._id is None:
-            if self._unanswered:
+            if self._fate == UNANSWERED:
                 raise MessageOutcomeUnknown(self._values["idempotency_key"])
             raise MessageRolledBack()
         return self._id
 
-    def written(self) -> int | None:
-        """The id if the row has been written, without writing it."""
-        return self._id
-
-    def rolled_back(self) -> bool:
-        return self._dropped
-
-    def outcome_unknown(self) -> bool:
-        """Whether it went with a ``COMMIT`` that got no answer (the connection was lost)."""
-        return self._unanswered
+    def written(self) -> int | str | None:
+        """Without writing it: the id if written, why it never will be (:data:`ROLLED_BACK`,
+        :data:`UNANSWERED`), or ``None`` while it waits for the ``COMMIT``."""
+        return self._id if self._id is not None else self._fate
 
     def _send(self) -> None:
         self._cursor = self._raw.cursor()
@@ -108,12 +102,8 @@ class ParkedInsert:
             (self._id,) = cursor.fetchone() or (None,)
         self._end()
 
-    def _drop(self) -> None:
-        self._dropped = True
-        self._end()
-
-    def _unanswer(self) -> None:
-        self._unanswered = True
+    def _drop(self, fate: str = ROLLED_BACK) -> None:
+        self._fate = fate
         self._end()
 
     def _end(self) -> None:
@@ -272,7 +262,7 @@ def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False,
             interrupt = exc.__context__ if isinstance(exc, psycopg.Error) else None
         unanswered = commit and was_open and (raw.closed or raw.broken)
         for row in rows:
-            row._unanswer() if unanswered else row._drop()
+            row._drop(UNANSWERED if unanswered else ROLLED_BACK)
         if interrupt is not None and not isinstance(interrupt, psycopg.Error):
             raise interrupt  # itself, not the driver's failure to leave pipeline mode over it
         raise

@@ -70,7 +70,7 @@ class EnqueuedMessage:
     def _known(self) -> tuple[object, str, int | None]:
         """What is known without writing a parked row: its id once written, else the parked row."""
         stored = self._id.written() if isinstance(self._id, ParkedInsert) else self._id
-        return (self._id if stored is None else stored), self.idempotency_key, self.sequence_number
+        return (stored if isinstance(stored, int) else self._id), self.idempotency_key, self.sequence_number
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, EnqueuedMessage):
@@ -90,10 +90,9 @@ class EnqueuedMessage:
         return EnqueuedMessage, (self.id, self.idempotency_key, self.sequence_number)
 
     def __repr__(self) -> str:
-        stored = self._known()[0]
-        if isinstance(stored, ParkedInsert):
-            stored = ("(rolled back)" if stored.rolled_back() else
-                      "(COMMIT unanswered)" if stored.outcome_unknown() else "(with the COMMIT)")
+        stored = self._id.written() if isinstance(self._id, ParkedInsert) else self._id
+        if not isinstance(stored, int):
+            stored = f"({stored or 'with the COMMIT'})"
         return (f"EnqueuedMessage(id={stored}, idempotency_key={self.idempotency_key!r}, "
                 f"sequence_number={self.sequence_number!r})")
 

@@ -70,6 +70,18 @@ def hooked(seller_table, settings):
     return seller_table
 
 
+@pytest.fixture
+def refusing(seller_table):
+    """The seller's engine while ``outbox_messages`` refuses tenant ``t_refused``: an INSERT
+    failure nothing in the producer's validation can foresee."""
+    with seller_table.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE outbox_messages ADD CONSTRAINT test_refuses_t_refused "
+                             "CHECK (tenant_id <> 't_refused') NOT VALID")
+    yield seller_table
+    with seller_table.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE outbox_messages DROP CONSTRAINT test_refuses_t_refused")
+
+
 def _task_after_update(conn, settings, **overrides) -> tuple[int, outbox.EnqueuedMessage]:
     """The seller's backend, and an enqueue after the seller's own UPDATE of its task."""
     pid = _backend(conn)
@@ -172,28 +184,21 @@ def test_a_connection_put_back_unfinished_carries_nothing_into_the_next_transact
         engine.dispose()
 
 
-def test_an_insert_that_fails_fails_the_commit_and_the_transaction_with_it(seller_table, settings):
+def test_an_insert_that_fails_fails_the_commit_and_the_transaction_with_it(refusing, settings):
     """Nothing validation can foresee: here a constraint the producer does not know of."""
-    engine = seller_table
-    with engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE outbox_messages ADD CONSTRAINT test_refuses_t_refused "
-                             "CHECK (tenant_id <> 't_refused') NOT VALID")
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
-            record = _task(conn, settings, tenant_id="t_refused")
-            with pytest.raises(sqlalchemy.exc.IntegrityError, match="test_refuses_t_refused"):
-                conn.commit()
-            conn.rollback()
-            assert conn.exec_driver_sql("SELECT status FROM seller_tasks").scalar_one() == "working"
-            _task(conn, settings, task_id="next")  # the connection goes on
+    engine = refusing
+    with engine.connect() as conn:
+        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
+        record = _task(conn, settings, tenant_id="t_refused")
+        with pytest.raises(sqlalchemy.exc.IntegrityError, match="test_refuses_t_refused"):
             conn.commit()
-        assert _count(engine) == 1
-        with pytest.raises(MessageRolledBack):
-            record.id
-    finally:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("ALTER TABLE outbox_messages DROP CONSTRAINT test_refuses_t_refused")
+        conn.rollback()
+        assert conn.exec_driver_sql("SELECT status FROM seller_tasks").scalar_one() == "working"
+        _task(conn, settings, task_id="next")  # the connection goes on
+        conn.commit()
+    assert _count(engine) == 1
+    with pytest.raises(MessageRolledBack):
+        record.id
 
 
 def test_two_enqueues_ride_one_commit(seller_table, settings):
@@ -330,27 +335,20 @@ def test_an_invalidated_connection_drops_what_was_parked_on_it(seller_table, set
     assert _count(engine) == 0 and "(rolled back)" in repr(record)
 
 
-def test_an_id_read_early_that_fails_raises_as_sqlalchemy_does(seller_table, settings):
-    engine = seller_table
-    with engine.begin() as conn:
-        conn.exec_driver_sql("ALTER TABLE outbox_messages ADD CONSTRAINT test_refuses_t_refused "
-                             "CHECK (tenant_id <> 't_refused') NOT VALID")
-    try:
-        with engine.connect() as conn:
-            record = _task(conn, settings, tenant_id="t_refused")
-            with pytest.raises(sqlalchemy.exc.IntegrityError, match="test_refuses_t_refused"):
-                record.id
-            conn.rollback()
-            pid = _backend(conn)
-            record = _task(conn, settings)
-            _terminate(engine, pid)
-            with pytest.raises(sqlalchemy.exc.OperationalError) as raised:
-                record.id
-            assert raised.value.connection_invalidated and conn.invalidated
-            conn.rollback()
-    finally:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("ALTER TABLE outbox_messages DROP CONSTRAINT test_refuses_t_refused")
+def test_an_id_read_early_that_fails_raises_as_sqlalchemy_does(refusing, settings):
+    engine = refusing
+    with engine.connect() as conn:
+        record = _task(conn, settings, tenant_id="t_refused")
+        with pytest.raises(sqlalchemy.exc.IntegrityError, match="test_refuses_t_refused"):
+            record.id
+        conn.rollback()
+        pid = _backend(conn)
+        record = _task(conn, settings)
+        _terminate(engine, pid)
+        with pytest.raises(sqlalchemy.exc.OperationalError) as raised:
+            record.id
+        assert raised.value.connection_invalidated and conn.invalidated
+        conn.rollback()
     assert _count(engine) == 0
 
 
