@@ -23,6 +23,7 @@ from outbox.migrate import upgrade
 from tests import pgserver, procs, ts_sdk
 from tests.ledger import THROWAWAY_KEY, loopback_producer
 from tests.pgcluster import PgCluster
+from tests.seller_transactions import enqueue_task
 from tests.tables import EMPTIED_TABLES
 
 # `pytest --hypothesis-profile=slow`: property tests that size themselves from the profile
@@ -244,3 +245,36 @@ def report_settings(request: pytest.FixtureRequest, settings: Settings) -> Setti
     """Both ways a delivery report is stored: a sealed body is numbered statement by statement,
     a plaintext one (on PostgreSQL) in one statement (outbox/numbering.py)."""
     return settings if request.param == "sealed" else replace(settings, encryption_key=None)
+
+
+@pytest.fixture
+def seller_table(pg_engine: Engine) -> Iterator[Engine]:
+    """The seller's engine on PostgreSQL, with the seller's own table: task 1, ``working``."""
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS seller_tasks (id int PRIMARY KEY, status text)")
+        conn.exec_driver_sql("DELETE FROM seller_tasks")
+        conn.exec_driver_sql("INSERT INTO seller_tasks VALUES (1, 'working')")
+    yield pg_engine
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE seller_tasks")
+
+
+@pytest.fixture
+def hooked(seller_table: Engine, settings: Settings) -> Engine:
+    """The seller's engine after its first enqueue, which reads which columns the schema has
+    and hooks the engine: one message stored."""
+    with seller_table.begin() as conn:
+        enqueue_task(conn, settings, task_id="first")
+    return seller_table
+
+
+@pytest.fixture
+def refusing(seller_table: Engine) -> Iterator[Engine]:
+    """The seller's engine while ``outbox_messages`` refuses tenant ``t_refused``: an INSERT
+    failure nothing in the producer's validation can foresee."""
+    with seller_table.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE outbox_messages ADD CONSTRAINT test_refuses_t_refused "
+                             "CHECK (tenant_id <> 't_refused') NOT VALID")
+    yield seller_table
+    with seller_table.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE outbox_messages DROP CONSTRAINT test_refuses_t_refused")
