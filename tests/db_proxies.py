@@ -53,13 +53,18 @@ class StallingProxy:
             except OSError:
                 return
             self._sockets.append(client)
-            if self.stalled.is_set():  # accepted, never answered
-                threading.Thread(target=self._swallow, args=(client,), daemon=True).start()
-                continue
-            server = socket.create_connection(self._target)
-            self._sockets.append(server)
-            for src, dst in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            self._serve(client)
+
+    def _serve(self, client: socket.socket) -> None:
+        """Start forwarding what ``client`` and the server send each other (a subclass may
+        forward otherwise)."""
+        if self.stalled.is_set():  # accepted, never answered
+            threading.Thread(target=self._swallow, args=(client,), daemon=True).start()
+            return
+        server = socket.create_connection(self._target)
+        self._sockets.append(server)
+        for src, dst in ((client, server), (server, client)):
+            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
     def _swallow(self, src: socket.socket) -> None:
         try:
@@ -151,17 +156,12 @@ class CommitAnswerCuttingProxy(StallingProxy):
     def arm(self) -> None:
         self.armed.set()
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self._target)
-            self._sockets += [client, server]
-            committing = threading.Event()
-            threading.Thread(target=self._up, args=(client, server, committing), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client, committing), daemon=True).start()
+    def _serve(self, client: socket.socket) -> None:
+        server = socket.create_connection(self._target)
+        self._sockets.append(server)
+        committing = threading.Event()
+        threading.Thread(target=self._up, args=(client, server, committing), daemon=True).start()
+        threading.Thread(target=self._down, args=(server, client, committing), daemon=True).start()
 
     def _up(self, client: socket.socket, server: socket.socket, committing: threading.Event) -> None:
         try:
