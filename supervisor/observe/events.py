@@ -39,9 +39,10 @@ from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.schema import db_now as db_clock
 from outbox.schema import operator_events, signing_keys
+from outbox.activity import rfc3339
 from outbox.urls import endpoint_origin
 from sinks.fanout import resolve
-from outbox.activity import rfc3339
+from supervisor.cycle.outage import unless_stopped
 
 OPERATOR_TENANT = "outboxd-operator"
 KEY_WARNING_SECONDS = 86_400.0  # a key is "nearing the end of its publication" this long before it
@@ -212,31 +213,20 @@ async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[S
                     _log.error("operator_event.unsendable", event_id=event.id, kind=event.kind, error=str(exc))
             await conn.execute(update(operator_events).where(e.id == event.id)
                                .values(published_at=now, message_id=message_id))
+    stop = halted or asyncio.Event()  # without a halt (a publish of its own), every sink is called
     for event in events:
         _log.warning("operator_event", event_id=event.id, kind=event.kind, tenant_id=event.tenant_id,
                      origin=event.origin, count=event.count)
         for sink in sinks:
-            if halted is None:
-                await _call(sink, event.as_dict(), timeout)
-            elif halted.is_set() or not await _unless_stopped(halted, _called(sink, event.as_dict(), timeout)):
+            if stop.is_set() or not await unless_stopped(stop, _call(sink, event.as_dict(), timeout)):
                 # the daemon's stop: no transaction is under way, so nothing waits on the sinks
                 _log.warning("operator_event.sink_skipped_at_stop", event_id=event.id, kind=event.kind)
     return len(events)
 
 
-async def _unless_stopped(halted: asyncio.Event, work: Any) -> Any:
-    from supervisor.cycle.outage import unless_stopped  # here: supervisor.cycle imports this module
-
-    return await unless_stopped(halted, work)
-
-
-async def _called(sink: Sink, event: dict[str, Any], timeout: float) -> bool:
-    await _call(sink, event, timeout)
-    return True
-
-
-async def _call(sink: Sink, event: dict[str, Any], timeout: float) -> None:
-    """Call one sink: a coroutine function in the loop, any other callable in a thread."""
+async def _call(sink: Sink, event: dict[str, Any], timeout: float) -> bool:
+    """Call one sink: a coroutine function in the loop, any other callable in a thread.
+    ``True`` once it was called, failed or not: a failure is logged, never raised."""
     try:
         if pyinspect.iscoroutinefunction(sink):
             await asyncio.wait_for(sink(event), timeout)
@@ -245,3 +235,4 @@ async def _call(sink: Sink, event: dict[str, Any], timeout: float) -> None:
     except Exception as exc:  # a sink is the operator's code: its failure must not stop publishing
         _log.error("operator_event.sink_failed", sink=getattr(sink, "__name__", repr(sink)), event_id=event["id"],
                    error=type(exc).__name__)
+    return True
