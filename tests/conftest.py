@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from hypothesis import settings as hypothesis_settings
-from sqlalchemy import Engine
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 
 from outbox.config import Settings
@@ -248,13 +248,17 @@ def report_settings(request: pytest.FixtureRequest, settings: Settings) -> Setti
 
 
 @pytest.fixture
-def seller_table(pg_engine: Engine) -> Iterator[Engine]:
-    """The seller's engine on PostgreSQL, with the seller's own table: task 1, ``working``."""
+def seller_table(pg_engine: Engine, pg_url: str) -> Iterator[Engine]:
+    """The seller's engine on PostgreSQL as a seller makes one (SQLAlchemy's and psycopg's
+    defaults: a statement run five times is prepared), with the seller's own table: task 1,
+    ``working``."""
     with pg_engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS seller_tasks (id int PRIMARY KEY, status text)")
         conn.exec_driver_sql("DELETE FROM seller_tasks")
         conn.exec_driver_sql("INSERT INTO seller_tasks VALUES (1, 'working')")
-    yield pg_engine
+    engine = create_engine(pg_url)
+    yield engine
+    engine.dispose()
     with pg_engine.begin() as conn:
         conn.exec_driver_sql("DROP TABLE seller_tasks")
 

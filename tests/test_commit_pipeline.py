@@ -87,6 +87,21 @@ def test_a_rollback_drops_it_and_its_id_says_so(seller_table, settings):
         record.id
 
 
+@pytest.mark.parametrize("isolation", [None, "SERIALIZABLE"])
+def test_an_enqueue_opening_the_transaction_is_rolled_back_with_what_follows(hooked, settings, isolation):
+    """The enqueue is the transaction's first statement, sent ahead of the next one: it must
+    open the transaction as that statement would have (with the connection's isolation
+    level), not run alone and commit on its own."""
+    engine = hooked if isolation is None else hooked.execution_options(isolation_level=isolation)
+    with engine.connect() as conn:
+        enqueue_task(conn, settings)
+        level = conn.exec_driver_sql("SHOW transaction_isolation").scalar_one()
+        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'completed' WHERE id = 1")
+        conn.rollback()
+    assert level == (isolation or "read committed").lower()
+    assert count_messages(engine) == 1
+
+
 def test_reading_the_id_before_the_commit_writes_the_row_in_the_transaction(seller_table, settings):
     engine = seller_table
     with engine.connect() as conn:
@@ -275,3 +290,19 @@ def test_enqueueing_adds_no_event_listener_to_the_seller_s_engines(hooked, setti
     with pytest.raises(MessageRolledBack):
         dropped.id
     assert isinstance(seen.id, int) and count_messages(engine) == 22
+
+
+def test_a_body_larger_than_the_socket_s_send_buffer_goes_out_in_turns(seller_table, settings):
+    """psycopg's connections do not block: with a small send buffer, the pipeline's bytes leave
+    in several writes, each when the socket can take more."""
+    import os
+    import socket
+
+    engine = seller_table
+    with engine.connect() as conn:
+        fd = os.dup(conn.connection.driver_connection.pgconn.socket)
+        with socket.socket(fileno=fd) as same:  # the connection's own socket, through another descriptor
+            same.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        _, record = task_after_update(conn, settings, result={"report": "x" * 900_000})
+        conn.commit()
+    assert len(stored.row(engine, record.id).body) > 900_000
