@@ -12,8 +12,12 @@ cancels one only if it outlasts the time the stop allows.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from supervisor.cycle.outage import OutageGuard, unless_stopped
+
+T = TypeVar("T")
 
 __all__ = ["Halt"]
 
@@ -38,9 +42,14 @@ class Halt:
         except asyncio.TimeoutError:
             pass
 
-    @property
-    def event(self) -> asyncio.Event:
-        return self._event
+    async def unless_halted(self, work: Coroutine[Any, Any, T]) -> T | None:
+        """``work``'s result, or ``None`` when halted before it ends (``work`` then cancelled;
+        never started when halted already). For what runs outside a transaction, such as an
+        operator's event sink, which the stop need not wait for."""
+        if self._event.is_set():
+            work.close()
+            return None
+        return await unless_stopped(self._event, work)
 
     async def failed(self, outage: OutageGuard, doing: str, exc: BaseException) -> None:
         """The outage guard's wait after a failure (its back-off), cut short when halted."""

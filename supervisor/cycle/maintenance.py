@@ -221,7 +221,7 @@ class Maintenance:
                     if created:
                         self._log.info("attempt_partitions.created", count=created)
                 await events.publish_due(self._engine, self._settings, self._event_sinks,
-                                         self._settings.sink_timeout_seconds, halted=self._halt.event)
+                                         self._settings.sink_timeout_seconds, within=self._halt.unless_halted)
                 self._outage.ok("maintenance")
             except Exception as exc:
                 await self._halt.failed(self._outage, "maintenance", exc)

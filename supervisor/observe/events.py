@@ -25,7 +25,7 @@ import json
 import math
 import socket
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,6 @@ from outbox.schema import operator_events, signing_keys
 from outbox.activity import rfc3339
 from outbox.urls import endpoint_origin
 from sinks.fanout import resolve
-from supervisor.cycle.outage import unless_stopped
 
 OPERATOR_TENANT = "outboxd-operator"
 KEY_WARNING_SECONDS = 86_400.0  # a key is "nearing the end of its publication" this long before it
@@ -184,10 +183,12 @@ def load_sinks(paths: Sequence[str]) -> list[Sink]:
     return sinks
 
 
-async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[Sink],
-                      timeout: float = 5.0, halted: asyncio.Event | None = None) -> int:
+async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[Sink], timeout: float = 5.0,
+                      within: Callable[[Coroutine[Any, Any, bool]], Awaitable[bool | None]] | None = None) -> int:
     """Publish due events: enqueue each to the operator URL and mark it, in one transaction;
-    then call the sinks. Replicas take disjoint rows (SKIP LOCKED); each row is published once."""
+    then call the sinks. Replicas take disjoint rows (SKIP LOCKED); each row is published once.
+    ``within`` runs each sink call (the daemon's: unless it is stopping, see
+    ``supervisor/cycle/halting.py``); ``None`` back means the call was not made or was cut."""
     e = operator_events.c
     async with engine.connect() as conn:  # a read first: no write transaction (SQLite: lock) when idle
         if (await conn.execute(select(e.id).where(e.published_at.is_(None), e.due_at <= db_clock()).limit(1))
@@ -213,12 +214,12 @@ async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[S
                     _log.error("operator_event.unsendable", event_id=event.id, kind=event.kind, error=str(exc))
             await conn.execute(update(operator_events).where(e.id == event.id)
                                .values(published_at=now, message_id=message_id))
-    stop = halted or asyncio.Event()  # without a halt (a publish of its own), every sink is called
     for event in events:
         _log.warning("operator_event", event_id=event.id, kind=event.kind, tenant_id=event.tenant_id,
                      origin=event.origin, count=event.count)
         for sink in sinks:
-            if stop.is_set() or not await unless_stopped(stop, _call(sink, event.as_dict(), timeout)):
+            call = _call(sink, event.as_dict(), timeout)
+            if await (call if within is None else within(call)) is None:
                 # the daemon's stop: no transaction is under way, so nothing waits on the sinks
                 _log.warning("operator_event.sink_skipped_at_stop", event_id=event.id, kind=event.kind)
     return len(events)
