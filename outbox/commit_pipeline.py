@@ -191,17 +191,17 @@ def _committing(plain_commit: Callable[[Any], None], pipelined: bool) -> Callabl
 
     def do_commit(dbapi_connection: Any) -> None:
         raw = _driver(dbapi_connection)
-        if raw not in _PARKED or not pipelined:
-            if raw in _PARKED:
-                _send_parked(raw, invalidate=dbapi_connection.invalidate)
-            plain_commit(dbapi_connection)
+        if raw in _PARKED and pipelined:
+            try:
+                _send_parked(raw, commit=True, invalidate=dbapi_connection.invalidate)
+            except psycopg.Error:
+                if not (raw.broken or raw.closed):  # the COMMIT never ran: end the transaction as a failed one ends
+                    raw.rollback()
+                raise
             return
-        try:
-            _send_parked(raw, commit=True, invalidate=dbapi_connection.invalidate)
-        except psycopg.Error:
-            if not (raw.broken or raw.closed):  # the COMMIT never ran: end the transaction as a failed one ends
-                raw.rollback()
-            raise
+        if raw in _PARKED:
+            _send_parked(raw, invalidate=dbapi_connection.invalidate)
+        plain_commit(dbapi_connection)
 
     return do_commit
 

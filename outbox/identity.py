@@ -67,9 +67,13 @@ class EnqueuedMessage:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"EnqueuedMessage is immutable: cannot set {name!r}")
 
+    def _stored(self) -> int | str | None:
+        """Without writing a parked row: the id if written, else why not (or ``None``: not yet)."""
+        return self._id.written() if isinstance(self._id, ParkedInsert) else self._id
+
     def _known(self) -> tuple[object, str, int | None]:
         """What is known without writing a parked row: its id once written, else the parked row."""
-        stored = self._id.written() if isinstance(self._id, ParkedInsert) else self._id
+        stored = self._stored()
         return (stored if isinstance(stored, int) else self._id), self.idempotency_key, self.sequence_number
 
     def __eq__(self, other: object) -> bool:
@@ -90,7 +94,7 @@ class EnqueuedMessage:
         return EnqueuedMessage, (self.id, self.idempotency_key, self.sequence_number)
 
     def __repr__(self) -> str:
-        stored = self._id.written() if isinstance(self._id, ParkedInsert) else self._id
+        stored = self._stored()
         if not isinstance(stored, int):
             stored = f"({stored or 'with the COMMIT'})"
         return (f"EnqueuedMessage(id={stored}, idempotency_key={self.idempotency_key!r}, "

@@ -52,5 +52,7 @@ class Halt:
         return await unless_stopped(self._event, work)
 
     async def failed(self, outage: OutageGuard, doing: str, exc: BaseException) -> None:
-        """The outage guard's wait after a failure (its back-off), cut short when halted."""
+        """The outage guard's wait after a failure (its back-off), cut short when halted. Unlike
+        :meth:`unless_halted`, the guard runs even when halted already: the failure is still
+        counted and logged (the database errors metric, a misconfiguration's critical line)."""
         await unless_stopped(self._event, outage.failed(doing, exc))

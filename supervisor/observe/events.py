@@ -35,11 +35,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox import aio as producer
 from outbox import store
+from outbox.activity import rfc3339
 from outbox.config import Settings
 from outbox.errors import OutboxValidationError
 from outbox.schema import db_now as db_clock
 from outbox.schema import operator_events, signing_keys
-from outbox.activity import rfc3339
 from outbox.urls import endpoint_origin
 from sinks.fanout import resolve
 
