@@ -17,9 +17,8 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import urlsplit
 
-from outbox.config_values import ENV_PREFIX, coerce
+from outbox.config_values import ENV_PREFIX, coerce, is_agent_url, is_origin, parse_addr
 from outbox.errors import ConfigurationError
 from outbox.sealing import SealingKeys, sealing_keys
 from outbox.urls import Network, origin
@@ -221,7 +220,7 @@ class Settings:
         if self.listen_database_url is not None and not _POSTGRESQL_URL.match(self.listen_database_url):
             raise ConfigurationError("OUTBOX_LISTEN_DATABASE_URL must be a postgresql:// URL (a direct connection "
                                      "for LISTEN)")
-        if self.seller_agent_url is not None and not _is_agent_url(self.seller_agent_url):  # checked now, not at
+        if self.seller_agent_url is not None and not is_agent_url(self.seller_agent_url):  # checked now, not at
             raise ConfigurationError(  # the first subscriber's registration
                 "OUTBOX_SELLER_AGENT_URL must be the seller agent's absolute http(s) URL, without credentials in it: "
                 "every webhook.challenge sends it to buyers")
@@ -243,7 +242,7 @@ class Settings:
         if self.metrics_addr:  # unset or empty: no metrics endpoint
             parse_addr(self.metrics_addr, "OUTBOX_METRICS_ADDR")
         parse_addr(self.ui_addr, "OUTBOX_UI_ADDR", lowest_port=1)
-        if self.revocation_issuer is not None and not _is_origin(self.revocation_issuer):
+        if self.revocation_issuer is not None and not is_origin(self.revocation_issuer):
             raise ConfigurationError(
                 f"OUTBOX_REVOCATION_ISSUER must be an origin like https://seller.example.com, "
                 f"got {self.revocation_issuer!r}"
@@ -261,48 +260,6 @@ class Settings:
 _DATABASE_URL = re.compile(r"(?:postgresql|sqlite)(?:\+\w+)?://", re.IGNORECASE)
 _POSTGRESQL_URL = re.compile(r"postgresql(?:\+\w+)?://", re.IGNORECASE)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def parse_addr(addr: str, variable: str, *, lowest_port: int = 0) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port``; an empty host is every interface) as the pair to bind.
-
-    Checked with the settings, so ``outboxd config`` and every command refuse a port the
-    socket would silently wrap (99999 is 34463 to the kernel). Port 0 binds a free port:
-    fine for ``OUTBOX_METRICS_ADDR``, whose bound address the daemon logs at start, not for
-    ``OUTBOX_UI_ADDR``, whose address ``outboxd ui`` prints before binding it.
-    """
-    host, sep, port = addr.rpartition(":")
-    bracketed = host.startswith("[") and host.endswith("]")
-    host = host[1:-1] if bracketed else host
-    # An IPv6 address only in brackets (unbracketed, where would its port start?), else a
-    # host name or IPv4 address: "http://h:80" is a URL, not an address to bind.
-    good_host = not host or (_is_ipv6(host) if bracketed else bool(_HOST_NAME.fullmatch(host)))
-    if not sep or not (port.isascii() and port.isdigit()) or not lowest_port <= int(port) <= 65535 or not good_host:
-        raise ConfigurationError(f"{variable} must be host:port ([v6]:port for IPv6) with a port from {lowest_port} "
-                                 f"to 65535, got {addr!r}")
-    return host or "0.0.0.0", int(port)
-
-
-_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
-
-
-def _is_ipv6(text: str) -> bool:
-    try:
-        return ipaddress.ip_address(text).version == 6
-    except ValueError:
-        return False
-
-
-def _is_agent_url(value: str) -> bool:
-    """An absolute http(s) URL without credentials: what buyers are sent as the seller agent."""
-    parts = urlsplit(value)
-    return parts.scheme in ("https", "http") and bool(parts.hostname) and not parts.username and not parts.password
-
-
-def _is_origin(value: str) -> bool:
-    """``scheme://host[:port]`` and nothing else: what a revocation list's issuer must be."""
-    parts = urlsplit(value)
-    return _is_agent_url(value) and parts.path == "" and not parts.query and not parts.fragment
 
 
 def load_settings(

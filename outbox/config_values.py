@@ -1,4 +1,5 @@
-"""How one setting's raw value, TOML's or an ``OUTBOX_*`` variable's text, becomes its typed value.
+"""How one setting's raw value, TOML's or an ``OUTBOX_*`` variable's text, becomes its typed value,
+and what an address or URL setting must look like.
 
 Every parser refuses what it cannot read with a one-line :class:`ConfigurationError` that
 names the variable, so a daemon or a seller's app never starts on a half-understood setting.
@@ -11,6 +12,7 @@ import base64
 import ipaddress
 import re
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 from outbox.errors import ConfigurationError
 from outbox.urls import Network
@@ -122,3 +124,45 @@ def coerce(name: str, annotation: str, raw: Any) -> Any:
         raise ConfigurationError(
             f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a valid {annotation.split(' ')[0]}") from None
     return None if raw in (None, "") and "None" in annotation else str(raw)
+
+
+def parse_addr(addr: str, variable: str, *, lowest_port: int = 0) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``; an empty host is every interface) as the pair to bind.
+
+    Checked with the settings, so ``outboxd config`` and every command refuse a port the
+    socket would silently wrap (99999 is 34463 to the kernel). Port 0 binds a free port:
+    fine for ``OUTBOX_METRICS_ADDR``, whose bound address the daemon logs at start, not for
+    ``OUTBOX_UI_ADDR``, whose address ``outboxd ui`` prints before binding it.
+    """
+    host, sep, port = addr.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
+    # An IPv6 address only in brackets (unbracketed, where would its port start?), else a
+    # host name or IPv4 address: "http://h:80" is a URL, not an address to bind.
+    good_host = not host or (_is_ipv6(host) if bracketed else bool(_HOST_NAME.fullmatch(host)))
+    if not sep or not (port.isascii() and port.isdigit()) or not lowest_port <= int(port) <= 65535 or not good_host:
+        raise ConfigurationError(f"{variable} must be host:port ([v6]:port for IPv6) with a port from {lowest_port} "
+                                 f"to 65535, got {addr!r}")
+    return host or "0.0.0.0", int(port)
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
+
+
+def is_agent_url(value: str) -> bool:
+    """An absolute http(s) URL without credentials: what buyers are sent as the seller agent."""
+    parts = urlsplit(value)
+    return parts.scheme in ("https", "http") and bool(parts.hostname) and not parts.username and not parts.password
+
+
+def is_origin(value: str) -> bool:
+    """``scheme://host[:port]`` and nothing else: what a revocation list's issuer must be."""
+    parts = urlsplit(value)
+    return is_agent_url(value) and parts.path == "" and not parts.query and not parts.fragment

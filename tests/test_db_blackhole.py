@@ -40,7 +40,8 @@ from outbox.config import Settings
 from outbox.db import connect_options, make_async_engine, make_engine
 from outbox.reporting import ReportingHandoff
 from supervisor.cycle.cutoff import SETTLE_SECONDS, Cutoff
-from supervisor.cycle.daemon import SCHEMA_POLL_SECONDS, daemon_engine
+from supervisor.cycle.daemon import daemon_engine
+from supervisor.cycle.schema_watch import SCHEMA_POLL_SECONDS
 from supervisor.cycle.pgdirect import DirectConnection, startup_options
 from supervisor.observe.health import READY_CACHE_SECONDS, READY_CHECK_SECONDS
 from tests import procs

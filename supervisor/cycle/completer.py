@@ -26,28 +26,22 @@ from outbox import breaker_rows, store
 from outbox.config import Settings
 from outbox.leases import Claimed, Completion
 from outbox.subscribers import sending_to
-from outbox.urls import public_url, redact_urls
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
 from supervisor.cycle import challenge
 from supervisor.observe import events, health_stats, tracing
 from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
-from supervisor.wire.classify import RetryPolicy, retry_at
+from supervisor.wire.classify import RetryPolicy
 from supervisor.observe.metrics import Metrics, status_class
 from supervisor.cycle.outage import OutageGuard, diagnose
+from supervisor.cycle.outcome_plan import plan
 from supervisor.cycle.pgdirect import DirectConnection
 
 FLUSH_INTERVAL = 0.02
 FLUSH_MAX = 200  # outcomes per flush at most; a flush starts early at one round of the concurrency
 RECORDING = "record outcomes"  # the outage guard's name for this activity
 REFUSED_TRIES = 2  # a lone outcome the database refuses is tried this often, then left to its lease
-UNSENT = ("expire", "release", "hold")  # claimed but not sent: no attempt made, none counted or logged
-# A message the daemon cannot prepare now (its scope has no active signing key, or it is sealed
-# under a key this process lacks) waits this long before it is claimed again, by this daemon or
-# one that can: a promoted signing key signs one second after it commits (supervisor/keys/keyring.py),
-# and docs/encryption.md ("Without the key") says what holds a sealed one.
-HOLD_SECONDS = 5.0
 Endpoint = tuple[str, str]  # (tenant, origin): a breaker's key
 # Told after each batch: the retryable failures no longer pending here (their request slots
 # free), and the endpoints whose breakers that batch opened.
@@ -264,7 +258,8 @@ class Completer:
         async with self._transaction(batch) as conn:
             now = await store.db_now(conn)
             revoked = await _revoked(conn, batch)
-            plans = [self._plan(outcome, now, outcome.message.id in revoked) for outcome in batch]
+            plans = [plan(outcome, now, retry=self._retry, daemon_id=self._daemon_id,
+                          revoked=outcome.message.id in revoked) for outcome in batch]
             applied = await store.complete(conn, [completion for completion, _ in plans])
             # The excerpt goes to the row only: the record itself reaches the sinks (logs).
             await store.insert_attempts(conn, [record.as_row() | {"response_excerpt": o.response_excerpt}
@@ -305,46 +300,6 @@ class Completer:
         await events.messages_ended(conn, [(o.message.tenant_id, o.message.origin, c.dead_reason)
                                            for o, c, _ in recorded if c.state == "dead"],
                                     now=now, window=self._settings.operator_events_window_seconds)
-
-    def _plan(self, o: Outcome, now: float, revoked: bool = False) -> tuple[Completion, DeliveryAttempt | None]:
-        """The message's new state, and its attempt record (``None``: no attempt was made);
-        ``revoked``: its subscriber is gone or paused, so it is not tried again."""
-        m = o.message
-        state, reason, next_at, delta = "pending", None, None, 0
-        if o.action == "delivered":
-            state = "delivered"
-        elif o.action in ("dead", "expire"):
-            state, reason = "dead", o.reason
-        elif o.action == "release":
-            next_at = now
-        elif o.action == "hold":
-            next_at = now + HOLD_SECONDS
-        elif o.outcome == "abandoned":  # interrupted at shutdown: due again at once
-            next_at = now
-        else:  # retry
-            delay = max(self._retry.delay_for_attempt(m.attempt), o.retry_after or 0.0)
-            next_at = retry_at(now, delay, m.retry_until)
-            if next_at is None:
-                state, reason = "dead", "expired"
-        if state == "pending" and revoked:
-            state, reason, next_at = "dead", "cancelled", None
-        if o.action in UNSENT:
-            delta = -1
-        error = redact_urls(o.error) if o.error else o.error  # an error may quote a URL: never its secrets
-        completion = Completion(m.id, m.lease_token, state, reason, next_at, delta, o.http_status, error,
-                                origin=m.origin if m.origin != m.stored_origin else None)
-        if o.action in UNSENT:
-            return completion, None
-        record = DeliveryAttempt(
-            message_id=m.id, tenant_id=m.tenant_id, url=public_url(m.url), attempt_number=m.attempt,
-            outcome=o.outcome, http_status_code=o.http_status, error_message=error,
-            response_time_ms=o.response_time_ms, will_retry=state == "pending",
-            next_retry_at=next_at if state == "pending" else None, payload_size_bytes=len(m.body),
-            sequence_number=m.sequence_number, idempotency_key=m.idempotency_key,
-            notification_type=m.notification_type, trigger=m.trigger, daemon_id=self._daemon_id, occurred_at=now,
-            trace_id=o.trace[0] if o.trace else None, span_id=o.trace[1] if o.trace else None,
-        )
-        return completion, record
 
     async def _update_breakers(self, conn, batch: Sequence[Outcome], applied: set[int], now: float
                                ) -> list[tuple[Endpoint, str, str]]:

@@ -19,7 +19,6 @@ import signal
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import structlog
@@ -28,8 +27,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.config import Settings
 from outbox.db import connect_options, error_line, is_postgresql, make_async_engine, reading
-from outbox.migrate import SchemaCheck, check_schema
-from outbox.errors import ConfigurationError
 from sinks.fanout import SinkFanout, load_sink
 from sinks.structlog_sink import StructlogSink
 from outbox.leases import Claimed
@@ -49,9 +46,10 @@ from supervisor.observe.metrics import Metrics
 from supervisor.cycle.outage import DatabaseUnavailable, OutageGuard, unless_stopped
 from supervisor.cycle.reporting_handoff import run_handoff
 from supervisor.cycle.resealer import Resealer, held_line
+from supervisor.cycle.schema_watch import schema_check, wait_for_schema, watch_schema
 from outbox.bodies import encryption_summary
 from supervisor.wire.transport import HttpSender
-from supervisor.cycle.cutoff import Cutoff, severed_after
+from supervisor.cycle.cutoff import Cutoff
 from supervisor.cycle.pgdirect import check_each_connection, startup_options
 from supervisor.cycle.wakeup import listen, listen_url
 
@@ -73,24 +71,9 @@ def new_daemon_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-SCHEMA_POLL_SECONDS = 5.0
 # After SIGTERM, recording what the attempts left waits for a database that is away until the
 # shutdown grace has passed, and at least this long (docs/operations.md, "Stopping").
 RECORDING_FLOOR_SECONDS = 5.0
-SCHEMA_LOG_SECONDS = 60.0
-
-
-async def _schema_check(engine: AsyncEngine, within: float | None = None) -> SchemaCheck:
-    """The database's schema against this release's; on PostgreSQL, ``within`` seconds cut the
-    check's connection (:func:`severed_after`), so a database that does not answer fails it then,
-    where cancelling it would have psycopg ask the unreachable server to cancel (10 s)."""
-    async with engine.connect() as conn:
-        if within is None or engine.dialect.name != "postgresql":
-            bound: AbstractContextManager[object] = nullcontext()
-        else:
-            bound = severed_after((await conn.get_raw_connection()).driver_connection, within)
-        with bound:
-            return await conn.run_sync(check_schema)
 
 
 def daemon_engine(settings: Settings) -> AsyncEngine:
@@ -148,7 +131,7 @@ class Daemon:
     async def _problem(self) -> str | None:
         """Why ``/readyz`` must fail now: an activity that keeps failing, the schema, messages
         held for an encryption key this process lacks, or deliveries left to daemons that have it."""
-        return (self.outage.problem() or (await _schema_check(self.engine, READY_CHECK_SECONDS)).problem()
+        return (self.outage.problem() or (await schema_check(self.engine, READY_CHECK_SECONDS)).problem()
                 or held_line(self.resealer.unopenable) or self.resealer.yielding)
 
     def _attempt(self) -> Callable[[Claimed], Awaitable[Outcome]]:
@@ -194,21 +177,6 @@ class Daemon:
             await self._clock_skewed(exc)
             raise
 
-    async def _watch_schema(self) -> None:
-        """Stop once the database has moved past what this release can read (a migration that
-        breaks older readers ran while it delivered), with the line a start would refuse with:
-        writing rows a newer schema reads otherwise is what the compatibility record forbids.
-        A check that fails is an outage the other loops count: it is simply tried again."""
-        while True:
-            await asyncio.sleep(SCHEMA_POLL_SECONDS)
-            try:
-                check = await _schema_check(self.engine, READY_CHECK_SECONDS)
-            except Exception:
-                continue
-            if check.verdict == "incompatible":
-                self.log.error("schema.incompatible", database=check.database, code=check.code)
-                raise ConfigurationError(check.problem() or "")
-
     async def _clock_skewed(self, exc: ClockOffsetError) -> None:
         """Tell the operators (best effort: the daemon stops either way)."""
         try:
@@ -216,42 +184,6 @@ class Daemon:
             await events.publish_due(self.engine, self.settings, self.event_sinks, self.settings.sink_timeout_seconds)
         except Exception as failure:
             self.log.error("operator_event.unrecorded", kind="clock.skew", error=type(failure).__name__)
-
-    async def wait_for_schema(self, stop: asyncio.Event) -> bool:
-        """Wait while the database is behind this release (``outboxd migrate`` has not run yet).
-
-        Returns ``False`` if asked to stop meanwhile. A database ahead of this release is fine
-        when its recorded minimum reader revision is ours or older (a rolling upgrade); one
-        too new is refused, because waiting cannot help.
-        """
-        logged_at = -SCHEMA_LOG_SECONDS
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                check = await unless_stopped(stop, _schema_check(self.engine), self.cutoff)
-            except Exception as exc:  # the database is down at start: ride it out like any outage
-                await unless_stopped(stop, self.outage.failed("check the schema", exc), self.cutoff)
-                if stop.is_set():
-                    return False
-                continue
-            if check is None:
-                return False
-            self.outage.ok("check the schema")
-            if check.verdict == "incompatible":
-                raise ConfigurationError(check.problem() or "")
-            if check.usable:
-                if check.verdict == "ahead":
-                    self.log.info("schema.ahead", database=check.database, code=check.code)
-                return True
-            if loop.time() - logged_at >= SCHEMA_LOG_SECONDS:
-                self.log.warning("schema.waiting", database=check.database, code=check.code,
-                                 detail=check.problem())
-                logged_at = loop.time()
-            try:
-                await asyncio.wait_for(stop.wait(), SCHEMA_POLL_SECONDS)
-                return False
-            except asyncio.TimeoutError:
-                pass
 
     async def _start(self, stop: asyncio.Event) -> bool:
         """Wait for the schema, then measure the clock, load the signing keys and report the
@@ -262,7 +194,7 @@ class Daemon:
         only past ``OUTBOX_DATABASE_OUTAGE_SECONDS``): a restart of the database while the
         daemon starts is not a reason to exit. A clock beyond tolerance or no key that can
         sign ends it: waiting cannot help."""
-        while await self.wait_for_schema(stop):
+        while await wait_for_schema(self.engine, stop, outage=self.outage, cutoff=self.cutoff, log=self.log):
             try:
                 await self._measure_clock()  # ClockOffsetError: never sign with a clock receivers reject
                 await self.keys.start(self.engine)  # fails here, not on the first attempt, when no key can sign
@@ -364,7 +296,7 @@ class Daemon:
             asyncio.create_task(self.completer.run(), name="completer"),
             asyncio.create_task(self.keys.run(self.engine, quiet=lambda: self.cutoff.is_cut), name="keyring"),
             asyncio.create_task(self._watch_clock(), name="clock"),
-            asyncio.create_task(self._watch_schema(), name="schema"),
+            asyncio.create_task(watch_schema(self.engine, within=READY_CHECK_SECONDS, log=self.log), name="schema"),
             *halting,
         ]
         handoff = None

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from outbox.config import parse_addr
+from outbox.config_values import parse_addr
 from supervisor.observe.metrics import Metrics
 
 READY_CACHE_SECONDS = 2.0

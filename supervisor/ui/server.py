@@ -9,7 +9,8 @@ import signal
 import socket
 import sys
 
-from outbox.config import Settings, parse_addr
+from outbox.config import Settings
+from outbox.config_values import parse_addr
 
 MIN_REMOTE_TOKEN = 32  # characters; what ``secrets.token_urlsafe(24)`` makes
 
