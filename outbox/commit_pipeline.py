@@ -31,6 +31,7 @@ docs/enqueue.md, "When the row is written", says so to sellers.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -43,21 +44,23 @@ from sqlalchemy.engine import Dialect, TwoPhaseTransaction
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.sql import ClauseElement
 
-from outbox.errors import MessageOutcomeUnknown, MessageRolledBack
+from outbox.errors import MessageNotWritten, MessageOutcomeUnknown, MessageRolledBack
 
 __all__ = ["ParkedInsert", "park", "parking_connection"]
 
 _PARKED: WeakKeyDictionary[psycopg.Connection[Any], list["ParkedInsert"]] = WeakKeyDictionary()
 _WRAPPED: WeakSet[Dialect] = WeakSet()
 _HOOKING = threading.Lock()
-ROLLED_BACK, UNANSWERED = "rolled back", "COMMIT unanswered"
+ROLLED_BACK, UNANSWERED, ENDED_UNSEEN = "rolled back", "COMMIT unanswered", "transaction ended unseen"
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+_log = logging.getLogger(__name__)
 
 
 class ParkedInsert:
     """One parked ``INSERT ... RETURNING id``: what it sends, and the id once it has run."""
 
     __slots__ = ("_statement", "_values", "_sql", "_raw", "_connection", "_owner", "_ended", "_cursor", "_id",
-                 "_fate")
+                 "_fate", "_in_open_transaction")
 
     def __init__(self, connection: Connection, raw: psycopg.Connection[Any], statement: ClauseElement,
                  values: Mapping[str, Any]) -> None:
@@ -72,6 +75,9 @@ class ParkedInsert:
         self._cursor: psycopg.Cursor[Any] | None = None
         self._id: int | None = None
         self._fate: str | None = None  # why it has no id: "rolled back", or "COMMIT unanswered" (written or not)
+        # Parked after the transaction's first statement: finding the connection idle later means
+        # that transaction ended unseen (:func:`_take`).
+        self._in_open_transaction = raw.info.transaction_status != _IDLE
 
     def id(self) -> int:
         """The stored row's id. Still parked: on the thread that parked it, the row is written
@@ -84,7 +90,7 @@ class ParkedInsert:
         if self._id is None:
             if self._fate == UNANSWERED:
                 raise MessageOutcomeUnknown(self._values["idempotency_key"])
-            raise MessageRolledBack()
+            raise MessageNotWritten() if self._fate == ENDED_UNSEEN else MessageRolledBack()
         return self._id
 
     def written(self) -> int | str | None:
@@ -129,6 +135,7 @@ def park(connection: Connection, raw: psycopg.Connection[Any], statement: Clause
     nothing: a parked row has no twin to return) with ``values`` on ``raw``, the connection
     :func:`parking_connection` gave for ``connection``."""
     _hook(connection.dialect)
+    _hook_driver(raw)
     if not connection.in_transaction():
         connection.begin()  # as the INSERT's execution would have: the seller's commit is what sends it
     parked = ParkedInsert(connection, raw, statement, values)
@@ -192,18 +199,64 @@ def _committing(plain_commit: Callable[[Any], None], pipelined: bool) -> Callabl
     def do_commit(dbapi_connection: Any) -> None:
         raw = _driver(dbapi_connection)
         if raw in _PARKED and pipelined:
-            try:
-                _send_parked(raw, commit=True, invalidate=dbapi_connection.invalidate)
-            except psycopg.Error:
-                if not (raw.broken or raw.closed):  # the COMMIT never ran: end the transaction as a failed one ends
-                    raw.rollback()
-                raise
+            _commit_parked(raw, invalidate=dbapi_connection.invalidate)
             return
         if raw in _PARKED:
             _send_parked(raw, invalidate=dbapi_connection.invalidate)
         plain_commit(dbapi_connection)
 
     return do_commit
+
+
+def _commit_parked(raw: psycopg.Connection[Any], invalidate: Callable[[], object]) -> None:
+    """What is parked on ``raw`` and the ``COMMIT``, in one round trip; a failure before the
+    ``COMMIT`` ran ends the transaction as a failed commit ends."""
+    try:
+        _send_parked(raw, commit=True, invalidate=invalidate)
+    except psycopg.Error:
+        if not (raw.broken or raw.closed):
+            raw.rollback()
+        raise
+
+
+def _hook_driver(raw: psycopg.Connection[Any]) -> None:
+    """Wrap ``raw``'s own ``commit`` and ``rollback`` once, so a transaction the seller ends on
+    the driver connection (``connection.connection.driver_connection.commit()``, or psycopg's
+    ``with conn:``) carries or drops what is parked as the dialect's calls do. Through a weak
+    reference and the class's functions: the wrappers keep nothing alive."""
+    if "commit" in vars(raw):
+        return
+    ref, cls = weakref.ref(raw), type(raw)
+
+    def commit() -> None:
+        conn = ref()
+        if conn in _PARKED:
+            _commit_parked(conn, invalidate=lambda: None)  # type: ignore[arg-type]
+        else:
+            cls.commit(conn)  # type: ignore[arg-type]
+
+    def rollback() -> None:
+        conn = ref()
+        _forget(conn)
+        cls.rollback(conn)  # type: ignore[arg-type]
+
+    raw.commit, raw.rollback = commit, rollback  # type: ignore[method-assign]
+
+
+def _take(raw: psycopg.Connection[Any]) -> list[ParkedInsert]:
+    """What is parked on ``raw``, to send now: nothing if the transaction it was parked in has
+    ended where no wrapper saw it (a ``COMMIT`` or ``ROLLBACK`` statement the seller sent on
+    the driver connection). Those rows, never sent, are dropped and said, never written into
+    the connection's next transaction: whether their transaction committed is not known here."""
+    rows = _PARKED.pop(raw, [])
+    if rows and any(row._in_open_transaction for row in rows) and raw.info.transaction_status == _IDLE:
+        for row in rows:
+            row._drop(ENDED_UNSEEN)
+        _log.error("outbox: the transaction %d message(s) were enqueued in ended outside SQLAlchemy (a COMMIT or "
+                   "ROLLBACK statement on the driver connection) before their rows were sent; they were not "
+                   "written (idempotency_key %s)", len(rows), ", ".join(row._values["idempotency_key"] for row in rows))
+        return []
+    return rows
 
 
 def _dropping_first(plain: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -222,7 +275,7 @@ def _write_now(connection: Connection | None, raw: psycopg.Connection[Any]) -> N
     if connection is None:  # dropped unfinished by the seller: its transaction can never commit
         _forget(raw)
         return
-    rows = _PARKED.pop(raw, [])
+    rows = _take(raw)
     try:
         for row in rows:
             row._id = connection.execute(row._statement, row._values).scalar_one()
@@ -241,7 +294,7 @@ def _send_parked(raw: psycopg.Connection[Any], *, commit: bool = False,
     the connection was lost with the ``COMMIT`` sent: then whether it took effect is unknown.
     A connection this leaves unusable is closed and ``invalidate``-d (SQLAlchemy's own: the
     pool must not hand it out again)."""
-    rows = _PARKED.pop(raw, [])
+    rows = _take(raw)
     was_open = not (raw.closed or raw.broken)
     try:
         with raw.cursor() as cursor, raw.pipeline():

@@ -33,12 +33,23 @@ class IdempotencyConflictError(OutboxValidationError):
         )
 
 
-class MessageRolledBack(RuntimeError):
+class MessageNotWritten(RuntimeError):
+    """The message's id was asked for, and its row was never written: the message does not
+    exist. Raised as such when the transaction it was enqueued in ended where outboxd could
+    not see it (a ``COMMIT`` or ``ROLLBACK`` statement sent on the driver connection itself,
+    docs/enqueue.md, "When the row is written")."""
+
+    def __init__(self, reason: str = "the transaction it was enqueued in ended outside SQLAlchemy (a COMMIT or "
+                                     "ROLLBACK statement on the driver connection) before its row was sent") -> None:
+        super().__init__(f"{reason}: the message does not exist")
+
+
+class MessageRolledBack(MessageNotWritten):
     """The message's id was asked for after its transaction rolled back before writing it:
     the message does not exist (docs/enqueue.md, "When the row is written")."""
 
     def __init__(self) -> None:
-        super().__init__("the message was rolled back with its transaction before it was written: it does not exist")
+        super().__init__("the message was rolled back with its transaction before it was written")
 
 
 class MessageOutcomeUnknown(RuntimeError):

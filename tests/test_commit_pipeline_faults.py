@@ -16,7 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.errors import MessageOutcomeUnknown, MessageRolledBack
+from outbox.errors import MessageNotWritten, MessageOutcomeUnknown, MessageRolledBack
 from outbox.schema import messages
 from tests import stored
 from tests.seller_transactions import backend_pid, count_messages, enqueue_task, task_after_update, terminate_backend
@@ -270,3 +270,49 @@ def test_an_interrupt_inside_the_commit_s_pipeline_discards_the_connection(hooke
         with engine.begin() as conn:  # the pool goes on with a connection that works
             conn.exec_driver_sql("DROP TRIGGER test_slow_insert ON outbox_messages")
             conn.exec_driver_sql("DROP FUNCTION test_slow_insert()")
+
+
+def test_a_commit_on_the_driver_connection_carries_the_row(seller_table, settings):
+    """A seller that commits on psycopg's own connection commits the message with its
+    transaction, not with the connection's next one."""
+    engine = seller_table
+    with engine.connect() as conn:
+        _, record = task_after_update(conn, settings)
+        conn.connection.driver_connection.commit()
+        assert count_messages(engine) == 1 and isinstance(record.id, int)
+        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'failed' WHERE id = 1")
+        conn.rollback()
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT status FROM seller_tasks").scalar_one() == "completed"
+        assert conn.execute(select(messages.c.id)).scalars().all() == [record.id]
+
+
+def test_a_rollback_on_the_driver_connection_drops_the_row(seller_table, settings):
+    """Rolled back on psycopg's own connection, the message is gone with its transaction: the
+    connection's next transaction, committed, does not write it."""
+    engine = seller_table
+    with engine.connect() as conn:
+        _, record = task_after_update(conn, settings)
+        conn.connection.driver_connection.rollback()
+        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'failed' WHERE id = 1")
+        conn.commit()
+    with pytest.raises(MessageRolledBack):
+        record.id
+    assert count_messages(engine) == 0
+
+
+def test_a_transaction_ended_by_a_driver_statement_never_writes_its_row_into_the_next(seller_table, settings,
+                                                                                      caplog):
+    """A ``COMMIT`` sent as a statement on the driver connection ends the transaction where no
+    wrapper sees it: the row, never sent, is dropped and said (an error logged, ``id`` raises),
+    not written by the connection's next transaction."""
+    engine = seller_table
+    with engine.connect() as conn:
+        _, record = task_after_update(conn, settings)
+        conn.connection.driver_connection.execute("COMMIT")
+        conn.exec_driver_sql("UPDATE seller_tasks SET status = 'failed' WHERE id = 1")
+        conn.commit()
+    with pytest.raises(MessageNotWritten, match="ended outside SQLAlchemy"):
+        record.id
+    assert count_messages(engine) == 0
+    assert any(r.levelname == "ERROR" and record.idempotency_key in r.getMessage() for r in caplog.records)
