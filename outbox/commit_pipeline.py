@@ -17,8 +17,10 @@ whatever the transaction sends next:
 So the server runs every statement in the order the seller issued them: a later read in the
 transaction sees the row, a savepoint rolled back drops it, and the message exists if and
 only if the transaction commits. What is parked follows the driver connection's transaction
-wherever it ends: a rollback (SQLAlchemy's, or the pool's as it takes a connection back) or
-an invalidated connection drops it unsent; a pool that commits on return sends it.
+wherever it ends: a rollback (SQLAlchemy's, the pool's as it takes a connection back, or the
+driver connection's own) or an invalidated connection drops it unsent; a commit (a pool's on
+return, or the driver connection's own) sends it; a transaction ended by a statement nothing
+wraps (a ``COMMIT`` sent on the driver connection) drops it, said, so the next never writes it.
 
 What changes for the caller: the message's id comes back with the ``COMMIT``
 (:attr:`outbox.EnqueuedMessage.id` read sooner, on the thread that enqueued, writes the row

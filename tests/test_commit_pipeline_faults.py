@@ -7,6 +7,8 @@ and its record must never say otherwise.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import sqlalchemy.exc
 from sqlalchemy import create_engine, event, select, text
@@ -316,3 +318,24 @@ def test_a_transaction_ended_by_a_driver_statement_never_writes_its_row_into_the
         record.id
     assert count_messages(engine) == 0
     assert any(r.levelname == "ERROR" and record.idempotency_key in r.getMessage() for r in caplog.records)
+
+
+def test_a_connection_dropped_unfinished_in_a_shared_pool_drops_the_row(pg_url, seller_table, settings):
+    """Two engines on one pool: the pool rolls back a connection dropped unfinished through
+    the dialect of the engine made last, which never enqueued; the row parked by the other
+    engine goes with that rollback, not with the connection's next transaction."""
+    first = create_engine(pg_url, pool_size=1, max_overflow=0)
+    second = create_engine(pg_url, pool=first.pool)  # the pool now resets through second's dialect
+    try:
+        conn = first.connect()
+        _, record = task_after_update(conn, settings)
+        del conn  # dropped unfinished: the pool's reset rolls it back
+        gc.collect()
+        with first.begin() as again:
+            again.exec_driver_sql("SELECT 1")
+        with pytest.raises(MessageRolledBack):
+            record.id
+        assert count_messages(first) == 0
+    finally:
+        second.dispose()
+        first.dispose()
