@@ -76,7 +76,7 @@ class ParkedInsert:
         self._ended = threading.Event()  # written or dropped
         self._cursor: psycopg.Cursor[Any] | None = None
         self._id: int | None = None
-        self._fate: str | None = None  # why it has no id: "rolled back", or "COMMIT unanswered" (written or not)
+        self._fate: str | None = None  # why it has no id: ROLLED_BACK, UNANSWERED (written or not), ENDED_UNSEEN
         # Parked after the transaction's first statement: finding the connection idle later means
         # that transaction ended unseen (:func:`_take`).
         self._in_open_transaction = raw.info.transaction_status != _IDLE
@@ -97,7 +97,7 @@ class ParkedInsert:
 
     def written(self) -> int | str | None:
         """Without writing it: the id if written, why it never will be (:data:`ROLLED_BACK`,
-        :data:`UNANSWERED`), or ``None`` while it waits for the ``COMMIT``."""
+        :data:`UNANSWERED`, :data:`ENDED_UNSEEN`), or ``None`` while it waits for the ``COMMIT``."""
         return self._id if self._id is not None else self._fate
 
     def _send(self) -> None:
