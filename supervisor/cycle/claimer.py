@@ -35,6 +35,7 @@ from outbox.config import Settings
 from outbox.leases import Claimed, ClaimedBatch
 from supervisor.observe import events, tracing
 from supervisor.cycle.attempt import Outcome
+from supervisor.cycle import breaker_moves
 from supervisor.cycle.breaker import CircuitState
 from supervisor.cycle.dispatch import Dispatcher
 from supervisor.observe.metrics import Metrics
@@ -246,15 +247,11 @@ class Claimer:
                     return None
                 now = await store.db_now(conn)
                 await events.probe_taken(conn, message.tenant_id, origin, message.breaker_open_until, now)
-                if before == CircuitState.OPEN.value:  # a move like any other: a row, a count, a log line
-                    await breaker_rows.insert_transitions(conn, [{
-                        "tenant_id": message.tenant_id, "origin": origin, "from_state": before,
-                        "to_state": CircuitState.HALF_OPEN.value, "open_until": message.breaker_open_until,
-                        "daemon_id": self._daemon_id, "occurred_at": now}])
-            if before == CircuitState.OPEN.value:  # committed
-                self._metrics.breaker_transitions.labels(from_state=before, to_state=CircuitState.HALF_OPEN.value).inc()
-                self._log.warning("breaker.transition", tenant_id=message.tenant_id, origin=origin, from_state=before,
-                                  to_state=CircuitState.HALF_OPEN.value)
+                moves = [breaker_moves.move(message.tenant_id, origin, before, CircuitState.HALF_OPEN.value,
+                                            open_until=message.breaker_open_until, daemon_id=self._daemon_id,
+                                            now=now)] if before == CircuitState.OPEN.value else []
+                await breaker_moves.record(conn, moves)  # a move like any other: a row, a count, a log line
+            breaker_moves.announce(moves, self._metrics, self._log)  # committed
             return dataclasses.replace(message, holds_probe=True)
         except Exception as exc:  # an outage shows in the next claim; this message is simply due again
             self._log.warning("probe.failed", tenant_id=message.tenant_id, origin=message.origin,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager as AsyncContextManager
 from typing import Any
 
@@ -28,7 +28,7 @@ from outbox.leases import Claimed, Completion
 from outbox.subscribers import sending_to
 from sinks.attempt import DeliveryAttempt
 from sinks.fanout import SinkFanout
-from supervisor.cycle import challenge
+from supervisor.cycle import breaker_moves, challenge
 from supervisor.observe import events, health_stats, tracing
 from supervisor.cycle.attempt import Outcome
 from supervisor.cycle.breaker import CircuitBreakerPolicy, apply_outcomes, closed_row, window_counts
@@ -265,15 +265,15 @@ class Completer:
             await store.insert_attempts(conn, [record.as_row() | {"response_excerpt": o.response_excerpt}
                                                for o, (completion, record) in zip(batch, plans)
                                                if record is not None and completion.message_id in applied])
-            transitions = await self._update_breakers(conn, batch, applied, now)
+            moves = await self._update_breakers(conn, batch, applied, now)
             await breaker_rows.return_probes(conn, [(o.message.tenant_id, o.message.origin or "") for o in batch
                                                     if _returns_probe(o) and o.message.id in applied])
             settled = await self._settle_proofs(conn, batch, plans, applied)
             await self._observe(conn, batch, plans, applied, now)
         settled.count(self._metrics)
         self._on_recorded([o.message for o in batch if o.action == "retry"],
-                          [key for key, _, after in transitions if after == "open"])
-        self._after_commit(batch, plans, applied, transitions, now)
+                          [(m["tenant_id"], m["origin"]) for m in moves if m["to_state"] == "open"])
+        self._after_commit(batch, plans, applied, moves, now)
 
     async def _settle_proofs(self, conn, batch: Sequence[Outcome],
                              plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
@@ -302,7 +302,7 @@ class Completer:
                                     now=now, window=self._settings.operator_events_window_seconds)
 
     async def _update_breakers(self, conn, batch: Sequence[Outcome], applied: set[int], now: float
-                               ) -> list[tuple[Endpoint, str, str]]:
+                               ) -> list[dict[str, Any]]:
         """Fold this batch's request outcomes into the breakers: O(1) writes per endpoint.
 
         A row is written only when it changes; a trip writes the row and one transition
@@ -320,31 +320,27 @@ class Completer:
         had_row = {(o.message.tenant_id, o.message.origin) for o in batch if o.message.breaker_state is not None}
         await breaker_rows.ensure_breakers(conn, [k for k in per_key if k not in had_row])
         rows = await breaker_rows.lock_breakers(conn, per_key)
-        changed, transitions, logged = [], [], []
+        changed, moves = [], []
         for key, results in per_key.items():
             row = rows.get(key) or closed_row(*key)
             new, moved = apply_outcomes(row, results, now=now, policy=self._breaker_policy)
             if new != row:
                 changed.append(new)
             attempts, failures = window_counts(row, now, self._breaker_policy.window_seconds)
-            for before, after in moved:
-                transitions.append((key, before, after))
-                logged.append({"tenant_id": key[0], "origin": key[1], "from_state": before, "to_state": after,
-                               "window_attempts": attempts + len(results), "window_failures":
-                               failures + results.count(False), "open_until": new["open_until"],
-                               "daemon_id": self._daemon_id, "occurred_at": now})
-                self._log.warning("breaker.transition", tenant_id=key[0], origin=key[1], from_state=before,
-                                  to_state=after, open_until=new["open_until"], trips=new["trips"])
+            moves.extend(breaker_moves.move(*key, before, after, open_until=new["open_until"],
+                                            daemon_id=self._daemon_id, now=now,
+                                            window_attempts=attempts + len(results),
+                                            window_failures=failures + results.count(False))
+                         for before, after in moved)
         await breaker_rows.save_breakers(conn, changed)
-        await breaker_rows.insert_transitions(conn, logged)
-        await events.breakers_moved(conn, logged)
-        return transitions
+        await breaker_moves.record(conn, moves)
+        await events.breakers_moved(conn, moves)
+        return moves
 
     def _after_commit(self, batch: Sequence[Outcome], plans: Sequence[tuple[Completion, DeliveryAttempt | None]],
-                      applied: set[int], transitions: list[tuple[Endpoint, str, str]], now: float) -> None:
+                      applied: set[int], moves: Sequence[Mapping[str, Any]], now: float) -> None:
         metrics = self._metrics
-        for _, before, after in transitions:
-            metrics.breaker_transitions.labels(from_state=before, to_state=after).inc()
+        breaker_moves.announce(moves, metrics, self._log)
         for o, (completion, record) in zip(batch, plans):
             m = o.message
             labels = metrics.tenant_labels(m.tenant_id)
