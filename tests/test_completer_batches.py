@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+import structlog.testing
 from sqlalchemy import func, select
 
 import outbox
@@ -98,3 +100,49 @@ async def test_a_flush_waits_for_three_answers_from_postgresql(pg_engine, pg_url
             await aengine.dispose()
     with pg_engine.connect() as conn:
         assert conn.execute(select(func.count()).where(messages.c.state == "delivered")).scalar_one() == 50
+
+
+async def test_a_breaker_move_is_counted_and_logged_only_once_its_flush_commits(pg_engine, pg_url):
+    """A flush that trips a breaker and then fails (its transition row refused) neither counts
+    nor logs the move, which was never recorded; the same flush, once it commits, counts and
+    logs it once."""
+    enqueue_batch(pg_engine, [("t1", "https://buyer.example.com/hook", message_key("trip", i)) for i in range(12)])
+    settings = outbox.load_settings(env={"OUTBOX_DATABASE_URL": pg_url})
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql("CREATE FUNCTION test_refuse_move() RETURNS trigger LANGUAGE plpgsql AS "
+                             "$$ BEGIN RAISE EXCEPTION 'move refused'; END $$")
+        conn.exec_driver_sql("CREATE TRIGGER test_refuse_move BEFORE INSERT ON outbox_breaker_transitions "
+                             "FOR EACH ROW EXECUTE FUNCTION test_refuse_move()")
+    aengine = make_async_engine(pg_url)
+    metrics = Metrics()
+    completer = Completer(aengine, settings=settings, daemon_id="unit", metrics=metrics,
+                          fanout=SinkFanout([], timeout=1), outage=OutageGuard(5))
+
+    def counted() -> float:
+        return metrics.registry.get_sample_value("outbox_breaker_transitions_total",
+                                                 {"from_state": "closed", "to_state": "open"}) or 0.0
+
+    try:
+        async with aengine.begin() as conn:
+            claimed = await store.claim(conn, limit=12, lease_seconds=30, horizon_seconds=86_400,
+                                        daemon_id="unit", endpoint_concurrency=12)
+        batch = [Outcome(m, "retry", "failed", http_status=503, sent=True) for m in claimed]
+        assert len(batch) >= settings.breaker_failure_threshold
+        with structlog.testing.capture_logs() as logs:
+            with pytest.raises(Exception, match="move refused"):
+                await completer.flush(batch)
+            refused = len(logs)
+            with pg_engine.begin() as conn:
+                conn.exec_driver_sql("DROP TRIGGER test_refuse_move ON outbox_breaker_transitions")
+            assert counted() == 0
+            await completer.flush(batch)
+        moves = [(i, e["from_state"], e["to_state"]) for i, e in enumerate(logs) if e["event"] == "breaker.transition"]
+        assert [(before, after) for _, before, after in moves] == [("closed", "open")]
+        assert moves[0][0] >= refused, "the refused flush logged a move it never recorded"
+        assert counted() == 1
+    finally:
+        with pg_engine.begin() as conn:
+            conn.exec_driver_sql("DROP TRIGGER IF EXISTS test_refuse_move ON outbox_breaker_transitions")
+            conn.exec_driver_sql("DROP FUNCTION test_refuse_move()")
+        await completer.aclose()
+        await aengine.dispose()
