@@ -58,7 +58,7 @@ def state_now(conn: AsyncConnection) -> ColumnElement[str]:
     has ended admits a probe, so it is half-open, though its row says ``open`` until the claim
     takes that probe (and an endpoint nothing is sent to any more never takes one). What the
     gauge, ``breakers list``, ``status``, ``endpoints`` and the console show."""
-    now = literal_column(f"({PG_NOW if _pg(conn) else SQLITE_NOW})")
+    now: ColumnElement[float] = literal_column(f"({PG_NOW if _pg(conn) else SQLITE_NOW})")
     lapsed = and_(breakers.c.state == "open", breakers.c.open_until <= now)
     return case((lapsed, "half_open"), else_=breakers.c.state).label("state")
 

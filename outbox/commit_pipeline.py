@@ -41,10 +41,9 @@ from typing import Any
 from weakref import WeakKeyDictionary, WeakSet
 
 import psycopg
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Insert
 from sqlalchemy.engine import Dialect, TwoPhaseTransaction
 from sqlalchemy.engine.default import DefaultDialect
-from sqlalchemy.sql import ClauseElement
 
 from outbox.errors import MessageNotWritten, MessageOutcomeUnknown, MessageRolledBack
 
@@ -64,14 +63,15 @@ class ParkedInsert:
     __slots__ = ("_statement", "_values", "_sql", "_raw", "_connection", "_owner", "_ended", "_cursor", "_id",
                  "_fate", "_in_open_transaction")
 
-    def __init__(self, connection: Connection, raw: psycopg.Connection[Any], statement: ClauseElement,
+    def __init__(self, connection: Connection, raw: psycopg.Connection[Any], statement: Insert,
                  values: Mapping[str, Any]) -> None:
         self._statement, self._values = statement, dict(values)
         self._sql = _rendered(statement, connection.dialect, tuple(self._values))
         # Weakly: a connection its seller dropped unfinished must still go back to the pool
         # (its transaction rolled back, what is parked dropped), not stay checked out, its
         # transaction open, for as long as the record or the parked row is kept.
-        self._raw, self._connection = raw, weakref.ref(connection)
+        self._raw = raw
+        self._connection: Callable[[], Connection | None] = weakref.ref(connection)
         self._owner = threading.get_ident()
         self._ended = threading.Event()  # written or dropped
         self._cursor: psycopg.Cursor[Any] | None = None
@@ -131,7 +131,7 @@ def parking_connection(connection: Connection) -> psycopg.Connection[Any] | None
     return raw
 
 
-def park(connection: Connection, raw: psycopg.Connection[Any], statement: ClauseElement,
+def park(connection: Connection, raw: psycopg.Connection[Any], statement: Insert,
          values: Mapping[str, Any]) -> ParkedInsert:
     """Park ``statement`` (an ``INSERT ... RETURNING id`` that fails rather than writing
     nothing: a parked row has no twin to return) with ``values`` on ``raw``, the connection
@@ -146,7 +146,7 @@ def park(connection: Connection, raw: psycopg.Connection[Any], statement: Clause
 
 
 @functools.lru_cache(maxsize=64)  # a handful of column sets; compiling an INSERT costs ~0.4 ms of CPU
-def _rendered(statement: ClauseElement, dialect: Dialect, columns: tuple[str, ...]) -> str:
+def _rendered(statement: Insert, dialect: Dialect, columns: tuple[str, ...]) -> str:
     return str(statement.compile(dialect=dialect, column_keys=list(columns)))
 
 
@@ -169,7 +169,7 @@ def _hook(dialect: Dialect) -> None:
         # A dialect class with a commit of its own (a seller's subclass: an audit, a metric) has
         # it called, after the rows' round trip; only the DBAPI's plain commit is pipelined.
         pipelined = type(dialect).do_commit is DefaultDialect.do_commit
-        dialect.do_commit = _committing(dialect.do_commit, pipelined)  # type: ignore[method-assign]
+        setattr(dialect, "do_commit", _committing(dialect.do_commit, pipelined))
         for name in ("do_rollback", "do_close", "do_terminate"):
             setattr(dialect, name, _dropping_first(getattr(dialect, name)))
         _WRAPPED.add(dialect)

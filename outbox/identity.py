@@ -51,6 +51,7 @@ class EnqueuedMessage:
     """
 
     __slots__ = ("_id", "idempotency_key", "sequence_number")
+    _id: int | ParkedInsert
     idempotency_key: str
     sequence_number: int | None
 
@@ -60,9 +61,11 @@ class EnqueuedMessage:
 
     @property
     def id(self) -> int:
-        if isinstance(self._id, ParkedInsert):
-            object.__setattr__(self, "_id", self._id.id())
-        return self._id
+        stored = self._id
+        if isinstance(stored, ParkedInsert):
+            stored = stored.id()
+            object.__setattr__(self, "_id", stored)
+        return stored
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"EnqueuedMessage is immutable: cannot set {name!r}")

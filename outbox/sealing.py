@@ -91,7 +91,9 @@ class SealingKeys:
         if kid == self.active_id:
             return self
         chosen = self._raw(kid)
-        return sealing_keys(chosen, tuple(k for k in (*self.older, self.active) if k != chosen))
+        keys = sealing_keys(chosen, tuple(k for k in (*self.older, self.active) if k != chosen))
+        assert keys is not None  # an active key was given
+        return keys
 
     def seal(self, purpose: bytes, plaintext: bytes, *, tenant_id: str, idempotency_key: str) -> bytes:
         """Seal under the active key with a fresh random nonce, bound to the row and purpose."""

@@ -95,7 +95,7 @@ def phase_throughput(bench: Bench, spread: Spread, receiver: ReceiverProc, *, da
         usage = meter.stop()
         peak = {p.name: round(memory_mb(p.pid), 1) for p in procs}
         with bench.engine.connect() as conn:
-            states = dict(conn.execute(text("SELECT state, count(*) FROM outbox_messages GROUP BY state")).all())
+            states: dict[str, int] = dict(conn.execute(text("SELECT state, count(*) FROM outbox_messages GROUP BY state")).all())
             last = conn.execute(text("SELECT max(finished_at) FROM outbox_messages")).scalar_one()
             split = sorted(conn.execute(text("SELECT count(*) FROM outbox_attempts WHERE outcome = 'success' "
                                              "GROUP BY daemon_id")).scalars().all(), reverse=True)

@@ -56,8 +56,8 @@ class Receiver:
                 status, extra, answer = await self._respond(method, target, headers, body, writer)
                 if status is None:
                     return
-                head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(answer)}\r\n{extra}\r\n"
-                writer.write(head.encode() + answer)
+                reply = f"HTTP/1.1 {status} X\r\nContent-Length: {len(answer)}\r\n{extra}\r\n"
+                writer.write(reply.encode() + answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, ValueError, asyncio.LimitOverrunError):
             pass

@@ -12,6 +12,8 @@ if connection is None:  # invoked through the plain `alembic` CLI with -x url=..
     from outbox.db import make_engine
 
     url = context.get_x_argument(as_dictionary=True).get("url") or context.config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise SystemExit("no database to migrate: pass -x url=postgresql+psycopg://... (or run `outboxd migrate`)")
     connection = make_engine(url).connect()
 
 context.configure(

@@ -39,6 +39,7 @@ async def encryption_report(conn: Any, settings: Settings) -> dict[str, Any]:
                 by_key.setdefault(kid, {})[table] = n
     live = ledger.live()
     entries = []
+    unopenable = 0  # sealed values under keys this process lacks
     for kid in sorted(set(by_key) | set(ledger.announced)):
         rows = by_key.get(kid, {})
         sealing_here = [r.reader_id for r in live if r.sealing_key_id == kid]
@@ -50,9 +51,9 @@ async def encryption_report(conn: Any, settings: Settings) -> dict[str, Any]:
                f"{len(sealing_here)} live process(es) still seal under it" if sealing_here else
                "it is the key the rotation moves to" if kid == candidate else None)
         opens = keys is not None and (kid == "legacy" or keys.can_open(kid))  # legacy: tried with every key
+        unopenable += 0 if opens else needed
         entries.append({"key_id": kid, "role": role, "configured": opens, "rows": rows, "removable": why is None,
                         "why_not": why})
-    unopenable = sum(n for e in entries if not e["configured"] for n in e["rows"].values())
     return {"encryption": encryption_summary(settings, agreed), "sealing_key_id": agreed,
             "rotation": None if candidate is None else {"key_id": candidate, "waiting_for": ledger.lacking(candidate)},
             "plaintext_rows": counts[MESSAGE_BODIES].get(None, 0), "keys": entries, "unopenable_rows": unopenable,

@@ -40,7 +40,7 @@ async def list_rows(conn: AsyncConnection, *, tenant: str | None, account: str |
             query = query.where(column == value)
     query = query.order_by(subscribers.c.tenant_id, subscribers.c.account_id, subscribers.c.subscriber_id)
     found = list(await conn.execute(query.limit(limit)))
-    held = dict((await conn.execute(  # fires waiting on a proof: never silent (docs/subscribers.md)
+    held: dict[int, int] = dict((await conn.execute(  # fires waiting on a proof: never silent (docs/subscribers.md)
         select(messages.c.subscriber_ref, func.count()).where(
             messages.c.held, messages.c.subscriber_ref.in_([r.id for r in found]))
         .group_by(messages.c.subscriber_ref))).all()) if found else {}

@@ -56,6 +56,11 @@ def _judges_breaker(o: Outcome) -> bool:
     return o.sent and bool(m.origin) and (o.action == "retry" or m.breaker_state is not None)
 
 
+def _endpoint(o: Outcome) -> Endpoint:
+    """The breaker an outcome with an origin is judged under."""
+    return o.message.tenant_id, o.message.origin or ""
+
+
 def _returns_probe(o: Outcome) -> bool:
     """Whether ``o``'s message held its endpoint's half-open probe and went unsent: the probe is given back."""
     return o.message.holds_probe and not o.sent
@@ -79,7 +84,7 @@ async def _revoked(conn, batch: Sequence[Outcome]) -> set[int]:
     they end dead ``cancelled`` instead of pending (docs/reporting.md, "Revocation"). One
     statement, only when the batch has such a fire. The rows are read ``FOR SHARE``: a
     revocation committing meanwhile waits for this flush, then cancels what it left pending."""
-    refs = {o.message.subscriber_ref for o in batch if _may_continue(o)}
+    refs = {ref for o in batch if _may_continue(o) and (ref := o.message.subscriber_ref) is not None}
     if not refs:
         return set()
     live = set((await conn.execute(sending_to(list(refs)).with_for_update(read=True))).scalars())
@@ -309,18 +314,19 @@ class Completer:
         row, nothing per message (the claim passes over an open endpoint).
         """
         recorded = [o for o in batch if o.sent and o.message.id in applied and o.message.origin]
-        judged = {(o.message.tenant_id, o.message.origin) for o in recorded if _judges_breaker(o)}
+        judged = {_endpoint(o) for o in recorded if _judges_breaker(o)}
         if not judged:
             return []
-        per_key: dict[tuple[str, str], list[bool]] = defaultdict(list)
+        per_key: dict[Endpoint, list[bool]] = defaultdict(list)
         for o in recorded:
-            if (o.message.tenant_id, o.message.origin) in judged:
+            if _endpoint(o) in judged:
                 # Any definitive answer shows the endpoint alive; only retryable failures count against it.
-                per_key[(o.message.tenant_id, o.message.origin)].append(o.action != "retry")
+                per_key[_endpoint(o)].append(o.action != "retry")
         had_row = {(o.message.tenant_id, o.message.origin) for o in batch if o.message.breaker_state is not None}
         await breaker_rows.ensure_breakers(conn, [k for k in per_key if k not in had_row])
         rows = await breaker_rows.lock_breakers(conn, per_key)
-        changed, moves = [], []
+        changed: list[dict[str, Any]] = []
+        moves: list[dict[str, Any]] = []
         for key, results in per_key.items():
             row = rows.get(key) or closed_row(*key)
             new, moved = apply_outcomes(row, results, now=now, policy=self._breaker_policy)

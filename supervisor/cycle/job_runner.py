@@ -92,7 +92,7 @@ class JobRunner:
         self._halt = halt or Halt()  # the daemon's stop (supervisor/cycle/halting.py)
         self._daemon_id = daemon_id
         self._outage = outage
-        self._chunk = {"daemon_id": daemon_id, "horizon_seconds": horizon_seconds, "metrics": metrics,
+        self._chunk: dict[str, Any] = {"daemon_id": daemon_id, "horizon_seconds": horizon_seconds, "metrics": metrics,
                        "events_window": events_window}  # what every run_chunk is told
         self._log = structlog.get_logger("outboxd.jobs")
 

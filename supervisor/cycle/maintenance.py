@@ -105,7 +105,7 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
         oldest, now = await store.next_due_at(conn)
         unheld, _ = await store.oldest_unheld_due(conn)
         state = state_now(conn)
-        states = dict((await conn.execute(select(state, func.count()).group_by(state))).all())
+        states: dict[str, int] = dict((await conn.execute(select(state, func.count()).group_by(state))).all())
         held_back = await holding_back(conn)
         if metrics.endpoint_top:
             metrics.set_endpoints(await health_stats.endpoint_health(
@@ -114,8 +114,8 @@ async def sample_gauges(engine: AsyncEngine, metrics: Metrics) -> None:
     metrics.messages.labels(state="in_flight").set(in_flight)
     metrics.oldest_due_age.set(max(now - oldest, 0.0) if oldest is not None else 0.0)
     metrics.delivery_lag.set(max(now - unheld, 0.0) if unheld is not None else 0.0)
-    for state in ("closed", "open", "half_open"):
-        metrics.breakers.labels(state=state).set(states.get(state, 0))
+    for name in ("closed", "open", "half_open"):
+        metrics.breakers.labels(state=name).set(states.get(name, 0))
     metrics.breakers_holding_back.set(held_back)
 
 

@@ -27,10 +27,11 @@ async def schema_check(engine: AsyncEngine, within: float | None = None) -> Sche
     check's connection (:func:`severed_after`), so a database that does not answer fails it then,
     where cancelling it would have psycopg ask the unreachable server to cancel (10 s)."""
     async with engine.connect() as conn:
-        if within is None or engine.dialect.name != "postgresql":
-            bound: AbstractContextManager[object] = nullcontext()
-        else:
-            bound = severed_after((await conn.get_raw_connection()).driver_connection, within)
+        bound: AbstractContextManager[object] = nullcontext()
+        if within is not None and engine.dialect.name == "postgresql":
+            raw = (await conn.get_raw_connection()).driver_connection
+            assert raw is not None  # a checked-out connection has its driver's
+            bound = severed_after(raw, within)
         with bound:
             return await conn.run_sync(check_schema)
 

@@ -366,7 +366,7 @@ def promote(conn: Connection, *, scope: str = DEFAULT_SCOPE, kid: str | None = N
     return Promotion(new, old, switch_at, forced_early=now < ready_at)
 
 
-def _update(conn: Connection, record: KeyRecord, **times: float | None) -> KeyRecord:
+def _update(conn: Connection, record: KeyRecord, **times: Any) -> KeyRecord:
     conn.execute(update(signing_keys).where(signing_keys.c.kid == record.kid).values(**times))
     return replace(record, **times)
 

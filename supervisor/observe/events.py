@@ -106,7 +106,7 @@ async def proofs_failed(conn: Any, failed: Iterable[Any], now: float) -> None:
                      detail={"account_id": r.account_id, "subscriber_id": r.subscriber_id})
 
 
-async def messages_ended(conn: Any, dead: Iterable[tuple[str, str | None, str]], *, now: float,
+async def messages_ended(conn: Any, dead: Iterable[tuple[str, str | None, str | None]], *, now: float,
                          window: float) -> None:
     """Count messages ended dead, per endpoint and reason, into this window's events:
     ``messages.expired`` for the retry horizon, ``messages.dead`` for every other reason."""
@@ -200,7 +200,7 @@ async def publish_due(engine: AsyncEngine, settings: Settings, sinks: Sequence[S
             .limit(PUBLISH_BATCH)
         if conn.dialect.name == "postgresql":
             due = due.with_for_update(skip_locked=True)
-        events = [OperatorEvent(r.id, r.kind, r.tenant_id, r.origin, r.count, r.first_at, r.last_at,
+        events = [OperatorEvent(r.id, r.kind, r.tenant_id, r.origin, r._mapping["count"], r.first_at, r.last_at,
                                 json.loads(r.detail)) for r in await conn.execute(due)]
         for event in events:
             message_id = None

@@ -183,7 +183,7 @@ class Metrics:
     def tenant_labels(self, tenant_id: str) -> dict[str, str]:
         return {"tenant": tenant_id} if self.per_tenant else {}
 
-    def count_dead(self, reason: str, tenant_id: str) -> None:
+    def count_dead(self, reason: str | None, tenant_id: str) -> None:
         """One message finished dead: the final-outcome counter and the dead-letter counter agree."""
         self.deliveries.labels(outcome="dead", **self.tenant_labels(tenant_id)).inc()
         self.dead_letters.labels(reason=reason).inc()

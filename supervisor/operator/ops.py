@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, String, and_, delete, func, literal_column, or_, select, true
+from sqlalchemy import Label, Select, String, and_, delete, func, literal_column, or_, select, true
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
@@ -119,8 +119,8 @@ def _attempt(row: Any) -> dict[str, Any]:
 
 
 async def status(conn: AsyncConnection, *, top: int = 5) -> dict[str, Any]:
-    counts = dict((await conn.execute(select(messages.c.state, func.count()).group_by(messages.c.state))).all())
-    dead = dict((await conn.execute(select(messages.c.dead_reason, func.count())
+    counts: dict[str, int] = dict((await conn.execute(select(messages.c.state, func.count()).group_by(messages.c.state))).all())
+    dead: dict[str | None, int] = dict((await conn.execute(select(messages.c.dead_reason, func.count())
                                     .where(messages.c.state == "dead").group_by(messages.c.dead_reason))).all())
     oldest, now = await store.next_due_at(conn)
     open_rows = (await conn.execute(select(*shown_columns(conn)).where(breakers.c.state != "closed")
@@ -233,7 +233,7 @@ def horizon_end(row: Any, horizon_seconds: int) -> float:
 
 async def replay_candidates(conn: AsyncConnection, ids: Sequence[int], horizon_seconds: int) -> list[dict[str, Any]]:
     now = await store.db_now(conn)
-    revoked = literal_column(store.SUBSCRIBER_REVOKED).label("subscriber_revoked")
+    revoked: Label[Any] = literal_column(store.SUBSCRIBER_REVOKED).label("subscriber_revoked")
     rows = await conn.execute(select(*MESSAGE_COLUMNS, revoked).where(messages.c.id.in_(list(ids)))
                               .order_by(messages.c.id))
     result = []

@@ -194,7 +194,7 @@ def make_app(settings: Settings, token: str) -> Starlette:
         if not signed_in(request):
             return RedirectResponse("/login", status_code=303)
         params = {f: request.query_params.get(f, "") for f in FILTER_FIELDS}
-        context = {"params": params, "states": STATES, "reasons": DEAD_REASONS, "searched": any(params.values())}
+        context: dict[str, Any] = {"params": params, "states": STATES, "reasons": DEAD_REASONS, "searched": any(params.values())}
         try:
             filters = filters_from(request.query_params)
             before = page_start(request.query_params.get("before"))

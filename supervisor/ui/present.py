@@ -41,7 +41,7 @@ def duration(seconds: float | None) -> str:
     if seconds < 1:
         return "under 1 s"
     units = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
-    parts = []
+    parts: list[str] = []
     for name, size in units:
         if seconds >= size or parts:
             amount, seconds = divmod(seconds, size)

@@ -46,7 +46,7 @@ def serve(settings: Settings) -> int:
         print(f"outboxd ui: warning: listening on {host}, not loopback: put TLS in front of it", file=sys.stderr)
     # A page still waiting when told to stop gets the shutdown grace, as the daemon's requests do.
     config = uvicorn.Config(make_app(settings, token), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+                            timeout_graceful_shutdown=settings.shutdown_grace_seconds)  # type: ignore[arg-type]
     uvicorn.Server(config).run(sockets=[listening])
     return 0
 
