@@ -4,16 +4,17 @@ transaction that makes it, then, once that transaction has committed, its count
 (docs/operations.md, "Clocks, logs and metrics").
 
 The completer moves breakers on the outcomes it records; the claimer moves one from open to
-half-open as it takes the probe. Both go through these functions, so a move is written,
-counted and logged alike, and never counted or logged for a transaction that rolled back.
+half-open as it takes the probe. Both make the row with :func:`move`, write it with
+:func:`outbox.breaker_rows.insert_transitions` and, after the commit, :func:`announce` it, so
+a move is written, counted and logged alike, and never counted or logged for a transaction
+that rolled back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from outbox import breaker_rows
 from supervisor.observe.metrics import Metrics
 
 
@@ -23,11 +24,6 @@ def move(tenant_id: str, origin: str, before: str, after: str, *, open_until: fl
     return {"tenant_id": tenant_id, "origin": origin, "from_state": before, "to_state": after,
             "window_attempts": window_attempts, "window_failures": window_failures, "open_until": open_until,
             "daemon_id": daemon_id, "occurred_at": now}
-
-
-async def record(conn: Any, moves: Sequence[Mapping[str, Any]]) -> None:
-    """Write the moves' rows in the caller's transaction."""
-    await breaker_rows.insert_transitions(conn, [dict(m) for m in moves])
 
 
 def announce(moves: Iterable[Mapping[str, Any]], metrics: Metrics, log: Any) -> None:

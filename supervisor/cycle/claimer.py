@@ -250,7 +250,7 @@ class Claimer:
                 moves = [breaker_moves.move(message.tenant_id, origin, before, CircuitState.HALF_OPEN.value,
                                             open_until=message.breaker_open_until, daemon_id=self._daemon_id,
                                             now=now)] if before == CircuitState.OPEN.value else []
-                await breaker_moves.record(conn, moves)  # a move like any other: a row, a count, a log line
+                await breaker_rows.insert_transitions(conn, moves)  # a move like any other
             breaker_moves.announce(moves, self._metrics, self._log)  # committed
             return dataclasses.replace(message, holds_probe=True)
         except Exception as exc:  # an outage shows in the next claim; this message is simply due again

@@ -319,10 +319,11 @@ class Completer:
             return []
         per_key: dict[Endpoint, list[bool]] = defaultdict(list)
         for o in recorded:
-            if _endpoint(o) in judged:
+            key = _endpoint(o)
+            if key in judged:
                 # Any definitive answer shows the endpoint alive; only retryable failures count against it.
-                per_key[_endpoint(o)].append(o.action != "retry")
-        had_row = {(o.message.tenant_id, o.message.origin) for o in batch if o.message.breaker_state is not None}
+                per_key[key].append(o.action != "retry")
+        had_row = {_endpoint(o) for o in batch if o.message.breaker_state is not None}
         await breaker_rows.ensure_breakers(conn, [k for k in per_key if k not in had_row])
         rows = await breaker_rows.lock_breakers(conn, per_key)
         changed: list[dict[str, Any]] = []
@@ -339,7 +340,7 @@ class Completer:
                                             window_failures=failures + results.count(False))
                          for before, after in moved)
         await breaker_rows.save_breakers(conn, changed)
-        await breaker_moves.record(conn, moves)
+        await breaker_rows.insert_transitions(conn, moves)
         await events.breakers_moved(conn, moves)
         return moves
 
